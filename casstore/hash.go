@@ -1,0 +1,70 @@
+package casstore
+
+import (
+	"encoding/hex"
+	"fmt"
+
+	"lukechampine.com/blake3"
+)
+
+// HashSize is the length of a BLAKE3-256 digest in bytes.
+const HashSize = 32
+
+// Hash names an object: the unkeyed BLAKE3-256 digest of its raw bytes, with nothing
+// prepended (LunarFS's scheme, unlike git's "blob N\0" header).
+type Hash [HashSize]byte
+
+// EmptyHash is H(""): the hash of an empty file and, because an empty tree is zero
+// bytes long, of an empty directory too.
+var EmptyHash = Sum(nil)
+
+// Sum hashes b.
+func Sum(b []byte) Hash {
+	return Hash(blake3.Sum256(b))
+}
+
+// String returns the 64-character lowercase hex form used on disk and on the wire.
+func (h Hash) String() string { return hex.EncodeToString(h[:]) }
+
+// Short returns the first 12 hex digits, for logs and human-facing output.
+func (h Hash) Short() string { return h.String()[:12] }
+
+// IsZero reports whether h is the zero value (no hash), which is not H("").
+func (h Hash) IsZero() bool { return h == Hash{} }
+
+// MarshalText makes hashes render as hex in JSON and TOML.
+func (h Hash) MarshalText() ([]byte, error) { return []byte(h.String()), nil }
+
+// UnmarshalText parses the strict hex form.
+func (h *Hash) UnmarshalText(b []byte) error {
+	p, err := ParseHash(string(b))
+	if err != nil {
+		return err
+	}
+	*h = p
+	return nil
+}
+
+// ParseHash accepts exactly 64 lowercase hex digits. LunarFS is lenient (uppercase, a
+// '+' inside a pair); Tidepool is not, so one object has exactly one name.
+func ParseHash(s string) (Hash, error) {
+	var h Hash
+	if len(s) != 2*HashSize {
+		return h, fmt.Errorf("malformed hash %q: want 64 lowercase hex digits, got %d characters", s, len(s))
+	}
+	for i := 0; i < len(s); i++ {
+		c := s[i]
+		if !('0' <= c && c <= '9' || 'a' <= c && c <= 'f') {
+			return h, fmt.Errorf("malformed hash %q: want 64 lowercase hex digits, found %q at offset %d", s, c, i)
+		}
+	}
+	if _, err := hex.Decode(h[:], []byte(s)); err != nil {
+		return h, fmt.Errorf("malformed hash %q: %w", s, err)
+	}
+	return h, nil
+}
+
+// LooksLikeHash reports whether s has the shape of a hash (64 characters of any kind),
+// so that callers resolving "root or fork id" can give the hash parse error for a
+// string that was clearly meant as a hash.
+func LooksLikeHash(s string) bool { return len(s) == 2*HashSize }
