@@ -7,7 +7,7 @@ BIN           := $(CURDIR)/bin
 CONTAINERD_VERSION := v2.4.2
 RUNC_VERSION       := v1.5.2
 PROTOC_GEN_GO_VERSION      := v1.36.12
-PROTOC_GEN_GO_GRPC_VERSION := v1.5.1
+PROTOC_GEN_GO_GRPC_VERSION := v1.6.2
 DEBIAN_PACKAGES := libseccomp-dev pkg-config fuse3 umoci busybox-static runsc git ca-certificates xz-utils
 
 export PATH := $(BIN):$(DEPS_BIN):$(PATH)
@@ -73,3 +73,10 @@ fuzz:
 
 clean:
 	rm -rf $(BIN)
+
+## proto: regenerate api/v1 from its .proto (needs protoc; the generated code is committed)
+proto:
+	GOBIN=$(DEPS_BIN) $(GO) install google.golang.org/protobuf/cmd/protoc-gen-go@$(PROTOC_GEN_GO_VERSION)
+	GOBIN=$(DEPS_BIN) $(GO) install google.golang.org/grpc/cmd/protoc-gen-go-grpc@$(PROTOC_GEN_GO_GRPC_VERSION)
+	protoc -I api/v1 -I /usr/include --go_out=paths=source_relative:api/v1 \
+		--go-grpc_out=paths=source_relative:api/v1 api/v1/tidepool.proto

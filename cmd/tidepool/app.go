@@ -2,8 +2,12 @@ package main
 
 import (
 	"context"
+	"encoding/json"
+	"errors"
 	"fmt"
+	"os"
 	"path/filepath"
+	"syscall"
 	"time"
 
 	"github.com/containerd/log"
@@ -11,6 +15,7 @@ import (
 
 	"github.com/tidepool-dev/tidepool/casstore"
 	"github.com/tidepool-dev/tidepool/casstore/forks"
+	"github.com/tidepool-dev/tidepool/localapi"
 )
 
 // DefaultRoot is where tidepool and tidepoold keep their state unless told otherwise.
@@ -22,8 +27,12 @@ type app struct {
 	storeDir string
 	logLevel string
 
+	apiAddress string
+
 	store   *casstore.Store
 	forks   forks.Service
+	db      *forks.DB         // set when the database is opened directly
+	api     *localapi.Client // set when tidepoold owns the database
 	closers []func() error
 }
 
@@ -46,6 +55,7 @@ func newRootCommand() *cobra.Command {
 	f.StringVar(&a.root, "root", DefaultRoot, "Tidepool root directory (store in ROOT/cas, fork database ROOT/forks.db)")
 	f.StringVar(&a.storeDir, "store", "", "object store directory, overriding ROOT/cas (e.g. a LunarFS store, ~/.lunar/cas)")
 	f.StringVar(&a.logLevel, "log-level", "warn", "log level on stderr (debug, info, warn, error)")
+	f.StringVar(&a.apiAddress, "api-address", "", "tidepoold API socket (default: the one recorded in ROOT/tidepoold.json while a daemon runs)")
 	for _, add := range commands {
 		cmd.AddCommand(add(a))
 	}
@@ -76,14 +86,25 @@ func (a *app) openStore() (*casstore.Store, error) {
 	return a.store, nil
 }
 
-// openForks opens the fork database. Expired forks are swept on the way, so a TTL is
-// enforced by whichever process next touches the database.
+// openForks returns the fork service: tidepoold's API when a daemon owns this root
+// (it holds the database open), else the database itself. Expired forks are swept on
+// the way, so a TTL is enforced by whichever process next touches the database.
 func (a *app) openForks(ctx context.Context) (forks.Service, error) {
 	if a.forks != nil {
 		return a.forks, nil
 	}
+	if c, err := a.dialDaemon(ctx); err != nil {
+		return nil, err
+	} else if c != nil {
+		a.forks, a.api = c, c
+		a.closers = append(a.closers, c.Close)
+		return c, nil
+	}
 	db, err := forks.OpenDB(a.forksDBPath(), time.Second)
 	if err != nil {
+		if errors.Is(err, forks.ErrLocked) {
+			return nil, fmt.Errorf("%w, and no tidepoold answers for root %s", err, a.root)
+		}
 		return nil, err
 	}
 	if gone, err := db.Sweep(time.Now()); err != nil {
@@ -91,9 +112,56 @@ func (a *app) openForks(ctx context.Context) (forks.Service, error) {
 	} else if len(gone) > 0 {
 		log.G(ctx).WithField("forks", gone).Info("removed expired forks")
 	}
-	a.forks = db
+	a.forks, a.db = db, db
 	a.closers = append(a.closers, db.Close)
 	return db, nil
+}
+
+// daemonState is what tidepoold writes to ROOT/tidepoold.json while it runs.
+type daemonState struct {
+	PID        int    `json:"pid"`
+	APIAddress string `json:"api_address"`
+}
+
+// dialDaemon connects to the tidepoold that owns this root, if one runs. It returns
+// nil (and no error) when none does.
+func (a *app) dialDaemon(ctx context.Context) (*localapi.Client, error) {
+	addr := a.apiAddress
+	if addr == "" {
+		b, err := os.ReadFile(filepath.Join(a.root, "tidepoold.json"))
+		if err != nil {
+			return nil, nil
+		}
+		var st daemonState
+		if err := json.Unmarshal(b, &st); err != nil || st.APIAddress == "" {
+			return nil, nil
+		}
+		if st.PID > 0 && syscall.Kill(st.PID, 0) == syscall.ESRCH {
+			return nil, nil // a daemon that died without cleaning up
+		}
+		addr = st.APIAddress
+	}
+	c, err := localapi.Dial(ctx, addr, 3*time.Second)
+	if err != nil {
+		if a.apiAddress != "" {
+			return nil, err
+		}
+		log.G(ctx).WithError(err).Warn("tidepoold state file found but its API does not answer; opening the database directly")
+		return nil, nil
+	}
+	return c, nil
+}
+
+// liveRoots lists the roots garbage collection must keep, from whoever owns the
+// fork database.
+func (a *app) liveRoots(ctx context.Context) ([]casstore.Hash, error) {
+	if _, err := a.openForks(ctx); err != nil {
+		return nil, err
+	}
+	if a.api != nil {
+		return a.api.LiveRoots(ctx)
+	}
+	return a.db.LiveRoots()
 }
 
 // resolve turns a ROOT|FORK argument into a root (and the fork, if it named one).

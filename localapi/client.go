@@ -1,0 +1,137 @@
+package localapi
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/containerd/errdefs/pkg/errgrpc"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/protobuf/types/known/durationpb"
+
+	apiv1 "github.com/tidepool-dev/tidepool/api/v1"
+	"github.com/tidepool-dev/tidepool/casstore"
+	"github.com/tidepool-dev/tidepool/casstore/forks"
+)
+
+// Client talks to tidepoold's local API over a unix socket.
+type Client struct {
+	conn      *grpc.ClientConn
+	forks     apiv1.ForksClient
+	snapshots apiv1.SnapshotsClient
+	daemon    apiv1.DaemonClient
+}
+
+var _ forks.Service = (*Client)(nil)
+
+// Dial connects to the API socket at address and checks that a daemon answers within
+// timeout, so callers can fall back cleanly when none runs.
+func Dial(ctx context.Context, address string, timeout time.Duration) (*Client, error) {
+	conn, err := grpc.NewClient("unix://"+address, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		return nil, fmt.Errorf("tidepoold API at %s: %w", address, err)
+	}
+	c := &Client{conn: conn, forks: apiv1.NewForksClient(conn), snapshots: apiv1.NewSnapshotsClient(conn), daemon: apiv1.NewDaemonClient(conn)}
+	pctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	if _, err := c.daemon.Info(pctx, &apiv1.InfoRequest{}, grpc.WaitForReady(true)); err != nil {
+		conn.Close()
+		return nil, fmt.Errorf("tidepoold API at %s does not answer: %w", address, errgrpc.ToNative(err))
+	}
+	return c, nil
+}
+
+// Close closes the connection.
+func (c *Client) Close() error { return c.conn.Close() }
+
+// Info asks the daemon about itself.
+func (c *Client) Info(ctx context.Context) (*apiv1.InfoResponse, error) {
+	r, err := c.daemon.Info(ctx, &apiv1.InfoRequest{})
+	return r, errgrpc.ToNative(err)
+}
+
+func (c *Client) fork(p *apiv1.Fork, err error) (*forks.Fork, error) {
+	if err != nil {
+		return nil, errgrpc.ToNative(err)
+	}
+	return forkFromProto(p)
+}
+
+// Create implements forks.Service.
+func (c *Client) Create(ctx context.Context, req forks.CreateRequest) (*forks.Fork, error) {
+	r := &apiv1.CreateForkRequest{Base: req.Base.String(), Label: req.Label, Labels: req.Labels}
+	if req.TTL != 0 {
+		r.Ttl = durationpb.New(req.TTL)
+	}
+	return c.fork(c.forks.Create(ctx, r))
+}
+
+// Get implements forks.Service.
+func (c *Client) Get(ctx context.Context, ref string) (*forks.Fork, error) {
+	return c.fork(c.forks.Get(ctx, &apiv1.GetForkRequest{Ref: ref}))
+}
+
+// List implements forks.Service.
+func (c *Client) List(ctx context.Context) ([]*forks.Fork, error) {
+	r, err := c.forks.List(ctx, &apiv1.ListForksRequest{})
+	if err != nil {
+		return nil, errgrpc.ToNative(err)
+	}
+	out := make([]*forks.Fork, 0, len(r.GetForks()))
+	for _, p := range r.GetForks() {
+		f, err := forkFromProto(p)
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, f)
+	}
+	return out, nil
+}
+
+// Remove implements forks.Service.
+func (c *Client) Remove(ctx context.Context, id string) error {
+	_, err := c.forks.Remove(ctx, &apiv1.RemoveForkRequest{Id: id})
+	return errgrpc.ToNative(err)
+}
+
+// Advance implements forks.Service.
+func (c *Client) Advance(ctx context.Context, id string, expect, newRoot casstore.Hash, reason string) (*forks.Fork, error) {
+	r := &apiv1.AdvanceForkRequest{Id: id, Root: newRoot.String(), Reason: reason}
+	if !expect.IsZero() {
+		r.Expect = expect.String()
+	}
+	return c.fork(c.forks.Advance(ctx, r))
+}
+
+// LiveRoots lists every root garbage collection must keep.
+func (c *Client) LiveRoots(ctx context.Context) ([]casstore.Hash, error) {
+	r, err := c.forks.LiveRoots(ctx, &apiv1.LiveRootsRequest{})
+	if err != nil {
+		return nil, errgrpc.ToNative(err)
+	}
+	out := make([]casstore.Hash, 0, len(r.GetRoots()))
+	for _, s := range r.GetRoots() {
+		h, err := parseHash("live root", s)
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, h)
+	}
+	return out, nil
+}
+
+// Bind asks the daemon to bind a fork to a snapshot.
+func (c *Client) Bind(ctx context.Context, req *apiv1.BindRequest) (*apiv1.BindResponse, error) {
+	r, err := c.snapshots.Bind(ctx, req)
+	return r, errgrpc.ToNative(err)
+}
+
+// ListSnapshots lists the daemon's snapshots and their forks.
+func (c *Client) ListSnapshots(ctx context.Context) ([]*apiv1.Snapshot, error) {
+	r, err := c.snapshots.List(ctx, &apiv1.ListSnapshotsRequest{})
+	if err != nil {
+		return nil, errgrpc.ToNative(err)
+	}
+	return r.GetSnapshots(), nil
+}

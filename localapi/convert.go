@@ -1,0 +1,85 @@
+package localapi
+
+import (
+	"fmt"
+	"time"
+
+	"github.com/containerd/containerd/v2/core/mount"
+	"github.com/containerd/errdefs"
+	"google.golang.org/protobuf/types/known/durationpb"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	apiv1 "github.com/tidepool-dev/tidepool/api/v1"
+	"github.com/tidepool-dev/tidepool/casstore"
+	"github.com/tidepool-dev/tidepool/casstore/forks"
+)
+
+func forkToProto(f *forks.Fork) *apiv1.Fork {
+	p := &apiv1.Fork{
+		Id: f.ID, Label: f.Label, Base: f.Base.String(), Root: f.Root.String(),
+		Created: timestamppb.New(f.Created), Updated: timestamppb.New(f.Updated), Labels: f.Labels,
+	}
+	if f.TTL > 0 {
+		p.Ttl = durationpb.New(time.Duration(f.TTL))
+	}
+	for _, r := range f.History {
+		p.History = append(p.History, &apiv1.Revision{Root: r.Root.String(), Time: timestamppb.New(r.Time), Reason: r.Reason})
+	}
+	return p
+}
+
+func forkFromProto(p *apiv1.Fork) (*forks.Fork, error) {
+	f := &forks.Fork{ID: p.GetId(), Label: p.GetLabel(), Labels: p.GetLabels(),
+		Created: p.GetCreated().AsTime(), Updated: p.GetUpdated().AsTime()}
+	var err error
+	if f.Base, err = parseHash("base", p.GetBase()); err != nil {
+		return nil, err
+	}
+	if f.Root, err = parseHash("root", p.GetRoot()); err != nil {
+		return nil, err
+	}
+	if p.GetTtl() != nil {
+		f.TTL = forks.Duration(p.GetTtl().AsDuration())
+	}
+	for _, r := range p.GetHistory() {
+		h, err := parseHash("history root", r.GetRoot())
+		if err != nil {
+			return nil, err
+		}
+		f.History = append(f.History, forks.Revision{Root: h, Time: r.GetTime().AsTime(), Reason: r.GetReason()})
+	}
+	return f, nil
+}
+
+func parseHash(what, s string) (casstore.Hash, error) {
+	h, err := casstore.ParseHash(s)
+	if err != nil {
+		return h, fmt.Errorf("%s: %w: %w", what, err, errdefs.ErrInvalidArgument)
+	}
+	return h, nil
+}
+
+// parseOptionalHash reads a hash that may be left empty (meaning zero).
+func parseOptionalHash(what, s string) (casstore.Hash, error) {
+	if s == "" {
+		return casstore.Hash{}, nil
+	}
+	return parseHash(what, s)
+}
+
+func mountsToProto(ms []mount.Mount) []*apiv1.Mount {
+	out := make([]*apiv1.Mount, 0, len(ms))
+	for _, m := range ms {
+		out = append(out, &apiv1.Mount{Type: m.Type, Source: m.Source, Target: m.Target, Options: m.Options})
+	}
+	return out
+}
+
+// MountsFromProto converts API mounts to containerd's type.
+func MountsFromProto(ps []*apiv1.Mount) []mount.Mount {
+	out := make([]mount.Mount, 0, len(ps))
+	for _, p := range ps {
+		out = append(out, mount.Mount{Type: p.GetType(), Source: p.GetSource(), Target: p.GetTarget(), Options: p.GetOptions()})
+	}
+	return out
+}

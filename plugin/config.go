@@ -1,0 +1,150 @@
+package plugin
+
+import (
+	"bytes"
+	"fmt"
+	"os"
+	"path/filepath"
+	"time"
+
+	"github.com/pelletier/go-toml/v2"
+
+	"github.com/tidepool-dev/tidepool/binding"
+)
+
+// DefaultRoot is the state directory when none is configured.
+const DefaultRoot = "/var/lib/tidepool"
+
+// Config is Tidepool's one configuration: tidepoold reads it from its TOML file, and a
+// containerd built with Tidepool as a built-in reads it from
+// [plugins.'dev.tidepool.core.v1.tidepool'].
+type Config struct {
+	Root           string `toml:"root" comment:"State directory: cas/ (objects), forks.db, metadata.db, snapshots/, views/.\nIn a containerd built-in, empty means the plugin's root under containerd's root."`
+	Address        string `toml:"address" comment:"Unix socket the snapshotter's gRPC service listens on (tidepoold only).\nPoint containerd's [proxy_plugins.tidepool] address here."`
+	APIAddress     string `toml:"api_address" comment:"Unix socket of the local API (forks, bind, pools) used by the tidepool CLI and the shim."`
+	MetricsAddress string `toml:"metrics_address" comment:"TCP address serving Prometheus metrics at /metrics; empty disables."`
+
+	Store       StoreConfig       `toml:"store"`
+	Snapshotter SnapshotterConfig `toml:"snapshotter"`
+	Views       ViewsConfig       `toml:"views"`
+	Maintenance MaintenanceConfig `toml:"maintenance"`
+}
+
+// StoreConfig locates the object store.
+type StoreConfig struct {
+	Path string `toml:"path" comment:"Object store directory; empty means ROOT/cas. May be a LunarFS store (~/.lunar/cas)."`
+}
+
+// SnapshotterConfig tunes the snapshotter.
+type SnapshotterConfig struct {
+	DefaultWorkdir string   `toml:"default_workdir" comment:"Where a fork appears when the request names no workdir."`
+	DefaultOwner   string   `toml:"default_owner" comment:"uid:gid owning the fork's files when the request names no owner."`
+	MountOptions   []string `toml:"mount_options" comment:"Extra overlay mount options, as for containerd's overlayfs snapshotter."`
+	SyncRemove     bool     `toml:"sync_remove" comment:"Remove snapshot directories during Remove instead of in containerd's cleanup."`
+}
+
+// ViewsConfig tunes the FUSE fork views.
+type ViewsConfig struct {
+	Passthrough  bool     `toml:"passthrough" comment:"Use FUSE passthrough (kernel >= 6.9) so reads of local blobs bypass the daemon."`
+	EntryTimeout Duration `toml:"entry_timeout" comment:"How long the kernel caches names; objects never change, so long is safe."`
+	AttrTimeout  Duration `toml:"attr_timeout" comment:"How long the kernel caches attributes."`
+}
+
+// MaintenanceConfig schedules background upkeep.
+type MaintenanceConfig struct {
+	ForkSweepInterval Duration `toml:"fork_sweep_interval" comment:"How often forks whose TTL ran out are removed."`
+	GCInterval        Duration `toml:"gc_interval" comment:"How often unreferenced objects are collected; 0 disables automatic GC."`
+	GCGrace           Duration `toml:"gc_grace" comment:"Objects written or used more recently than this are never collected."`
+}
+
+// DefaultConfig is the configuration `tidepoold --print-default-config` prints.
+func DefaultConfig() *Config {
+	return &Config{
+		Root:           DefaultRoot,
+		Address:        "/run/tidepool/snapshotter.sock",
+		APIAddress:     "/run/tidepool/api.sock",
+		MetricsAddress: "127.0.0.1:9840",
+		Snapshotter: SnapshotterConfig{
+			DefaultWorkdir: binding.DefaultWorkdir,
+			DefaultOwner:   "0:0",
+		},
+		Views: ViewsConfig{
+			Passthrough:  true,
+			EntryTimeout: Duration(time.Hour),
+			AttrTimeout:  Duration(time.Hour),
+		},
+		Maintenance: MaintenanceConfig{
+			ForkSweepInterval: Duration(time.Minute),
+			GCInterval:        0,
+			GCGrace:           Duration(time.Hour),
+		},
+	}
+}
+
+// LoadConfig reads path over the defaults. A missing file is an error only when
+// mustExist is set (an explicit --config).
+func LoadConfig(path string, mustExist bool) (*Config, error) {
+	cfg := DefaultConfig()
+	b, err := os.ReadFile(path)
+	if err != nil {
+		if os.IsNotExist(err) && !mustExist {
+			return cfg, nil
+		}
+		return nil, fmt.Errorf("read config: %w", err)
+	}
+	dec := toml.NewDecoder(bytes.NewReader(b))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(cfg); err != nil {
+		return nil, fmt.Errorf("parse config %s: %w", path, err)
+	}
+	return cfg, nil
+}
+
+// Marshal renders the configuration as commented TOML.
+func (c *Config) Marshal() ([]byte, error) {
+	var buf bytes.Buffer
+	enc := toml.NewEncoder(&buf)
+	enc.SetIndentTables(true)
+	if err := enc.Encode(c); err != nil {
+		return nil, err
+	}
+	return buf.Bytes(), nil
+}
+
+// StorePath is where the objects live.
+func (c *Config) StorePath() string {
+	if c.Store.Path != "" {
+		return c.Store.Path
+	}
+	return filepath.Join(c.Root, "cas")
+}
+
+// Validate checks what can be checked before anything starts.
+func (c *Config) Validate() error {
+	if c.Root == "" || !filepath.IsAbs(c.Root) {
+		return fmt.Errorf("config: root %q must be an absolute path", c.Root)
+	}
+	if _, err := binding.ParseWorkdir(c.Snapshotter.DefaultWorkdir); err != nil {
+		return fmt.Errorf("config: snapshotter.default_workdir: %w", err)
+	}
+	if _, _, err := binding.ParseOwner(c.Snapshotter.DefaultOwner); err != nil {
+		return fmt.Errorf("config: snapshotter.default_owner: %w", err)
+	}
+	return nil
+}
+
+// Duration is a time.Duration written as "1h30m" in TOML.
+type Duration time.Duration
+
+// MarshalText renders Go duration syntax.
+func (d Duration) MarshalText() ([]byte, error) { return []byte(time.Duration(d).String()), nil }
+
+// UnmarshalText parses Go duration syntax.
+func (d *Duration) UnmarshalText(b []byte) error {
+	v, err := time.ParseDuration(string(b))
+	if err != nil {
+		return fmt.Errorf("duration %q: %w", b, err)
+	}
+	*d = Duration(v)
+	return nil
+}

@@ -1,0 +1,131 @@
+package plugin
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"path/filepath"
+	"sync"
+	"time"
+
+	"github.com/containerd/log"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/tidepool-dev/tidepool/binding"
+	"github.com/tidepool-dev/tidepool/casstore"
+	"github.com/tidepool-dev/tidepool/casstore/forks"
+	"github.com/tidepool-dev/tidepool/snapshotter"
+)
+
+// Core is Tidepool's assembled state for one root: the object store, the fork
+// database, the host serving fork views and the snapshotter. Both hosts (tidepoold and
+// a containerd built-in) build exactly one per process.
+type Core struct {
+	Config      *Config
+	Store       *casstore.Store
+	Forks       *forks.DB
+	Views       *ViewHost
+	Snapshotter *snapshotter.Snapshotter
+
+	cancel context.CancelFunc
+	wg     sync.WaitGroup
+	once   sync.Once
+}
+
+// NewCore opens everything under cfg.Root and starts background upkeep.
+func NewCore(ctx context.Context, cfg *Config) (_ *Core, retErr error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	uid, gid, _ := binding.ParseOwner(cfg.Snapshotter.DefaultOwner)
+	store, err := casstore.Open(cfg.StorePath())
+	if err != nil {
+		return nil, err
+	}
+	db, err := forks.OpenDB(filepath.Join(cfg.Root, "forks.db"), 5*time.Second)
+	if err != nil {
+		return nil, err
+	}
+	defer func() {
+		if retErr != nil {
+			db.Close()
+		}
+	}()
+	views := NewViewHost(store, cfg.Views)
+	sn, err := snapshotter.New(ctx, snapshotter.Config{
+		Root:         cfg.Root,
+		MountOptions: cfg.Snapshotter.MountOptions,
+		AsyncRemove:  !cfg.Snapshotter.SyncRemove,
+		Defaults:     binding.Defaults{Workdir: cfg.Snapshotter.DefaultWorkdir, UID: uid, GID: gid},
+	}, store, db, views)
+	if err != nil {
+		return nil, err
+	}
+	bg, cancel := context.WithCancel(context.WithoutCancel(ctx))
+	c := &Core{Config: cfg, Store: store, Forks: db, Views: views, Snapshotter: sn, cancel: cancel}
+	c.every(bg, time.Duration(cfg.Maintenance.ForkSweepInterval), c.sweepForks)
+	c.every(bg, time.Hour, c.sweepTemp)
+	return c, nil
+}
+
+// every runs fn each interval until the core closes; a zero interval disables it.
+func (c *Core) every(ctx context.Context, interval time.Duration, fn func(context.Context)) {
+	if interval <= 0 {
+		return
+	}
+	c.wg.Add(1)
+	go func() {
+		defer c.wg.Done()
+		t := time.NewTicker(interval)
+		defer t.Stop()
+		for {
+			fn(ctx)
+			select {
+			case <-ctx.Done():
+				return
+			case <-t.C:
+			}
+		}
+	}()
+}
+
+func (c *Core) sweepForks(ctx context.Context) {
+	gone, err := c.Forks.Sweep(time.Now())
+	if err != nil {
+		log.G(ctx).WithError(err).Warn("fork TTL sweep failed")
+	} else if len(gone) > 0 {
+		log.G(ctx).WithField("forks", gone).Info("removed forks whose TTL ran out")
+	}
+}
+
+func (c *Core) sweepTemp(ctx context.Context) {
+	if n, err := c.Store.SweepTemp(time.Duration(c.Config.Maintenance.GCGrace)); err != nil {
+		log.G(ctx).WithError(err).Warn("sweeping stale temp files failed")
+	} else if n > 0 {
+		log.G(ctx).WithField("files", n).Info("removed stale temp files")
+	}
+}
+
+// Collectors are the Prometheus collectors of the core's components.
+func (c *Core) Collectors() []prometheus.Collector {
+	return []prometheus.Collector{c.Snapshotter.Metrics(), c.Views.Collector()}
+}
+
+// Close stops upkeep, unmounts every view this process serves and closes the
+// databases. Committed data is already durable.
+func (c *Core) Close() error {
+	var err error
+	c.once.Do(func() {
+		c.cancel()
+		c.wg.Wait()
+		err = errors.Join(
+			c.Snapshotter.Close(),
+			c.Views.Close(context.Background()),
+			c.Forks.Close(),
+		)
+		if err != nil {
+			err = fmt.Errorf("close tidepool core: %w", err)
+		}
+	})
+	return err
+}

@@ -1,0 +1,14 @@
+// Package snapshotter is the tidepool containerd snapshotter: containerd's own overlay
+// snapshotter for the image layers, with a lazily hydrated, read-only view of a source
+// fork placed on top of them as the highest lower layer. The container's rootfs is then
+// baked dependencies (image) united with forked source (view), and its writes land in
+// the overlay upper directory. Removing a fork-bearing snapshot commits what changed
+// under the workdir back to the fork as a new root, in O(changed).
+//
+// Layer management is delegated, not re-implemented: every snapshot lives in the
+// overlay snapshotter's metastore and directories, with short integer ids, and passes
+// containerd's snapshotter test suite as the overlay snapshotter does. This package
+// adds the fork binding (labels, or Bind for the runtime shim), the view lifecycle and
+// the commit on remove. Views are mounted through the ViewHost interface, so the code
+// that serves them can move into a process that outlives this one.
+package snapshotter

@@ -1,0 +1,529 @@
+package snapshotter
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"github.com/containerd/containerd/v2/core/mount"
+	"github.com/containerd/containerd/v2/core/snapshots"
+	"github.com/containerd/containerd/v2/core/snapshots/storage"
+	"github.com/containerd/containerd/v2/plugins/snapshots/overlay"
+	"github.com/containerd/containerd/v2/plugins/snapshots/overlay/overlayutils"
+	"github.com/containerd/errdefs"
+	"github.com/containerd/log"
+	"github.com/moby/locker"
+
+	"github.com/tidepool-dev/tidepool/binding"
+	"github.com/tidepool-dev/tidepool/casstore"
+	"github.com/tidepool-dev/tidepool/casstore/forks"
+	"github.com/tidepool-dev/tidepool/casstore/ingest"
+)
+
+// Labels the snapshotter keeps on a fork-bearing snapshot next to the request's own:
+// the fork record it commits to and the root it was bound at (the commit's base).
+const (
+	labelForkID = binding.LabelPrefix + "fork-id"
+	labelBase   = binding.LabelPrefix + "base"
+)
+
+// ForkStore is what the snapshotter needs from the fork database: records to bind and
+// advance, and pins that keep a bound root alive while a snapshot uses it.
+type ForkStore interface {
+	forks.Service
+	Pin(name string, root casstore.Hash) error
+	Unpin(name string) error
+}
+
+// Config configures a Snapshotter.
+type Config struct {
+	// Root holds metadata.db, snapshots/<id>/{fs,work} (the overlay snapshotter's
+	// layout) and views/<id>, the fork view mountpoints.
+	Root string
+	// MountOptions are extra overlay options, as in the overlay snapshotter.
+	MountOptions []string
+	// AsyncRemove defers directory removal to Cleanup, as the overlay plugin does
+	// unless sync_remove is set.
+	AsyncRemove bool
+	// Defaults fill the workdir and owner a request leaves out.
+	Defaults binding.Defaults
+}
+
+// Snapshotter implements snapshots.Snapshotter.
+type Snapshotter struct {
+	root     string
+	ms       *storage.MetaStore
+	overlay  snapshots.Snapshotter
+	store    *casstore.Store
+	forks    ForkStore
+	views    ViewHost
+	defaults binding.Defaults
+	options  []string
+	locks    *locker.Locker
+	metrics  *Metrics
+}
+
+var _ snapshots.Snapshotter = (*Snapshotter)(nil)
+
+// New opens the snapshotter at cfg.Root. Views left mounted by a process that died are
+// detached; views of existing snapshots are mounted again on their first Mounts.
+func New(ctx context.Context, cfg Config, store *casstore.Store, fk ForkStore, views ViewHost) (*Snapshotter, error) {
+	if err := os.MkdirAll(filepath.Join(cfg.Root, "views"), 0o700); err != nil {
+		return nil, fmt.Errorf("create snapshotter root: %w", err)
+	}
+	ms, err := storage.NewMetaStore(filepath.Join(cfg.Root, "metadata.db"))
+	if err != nil {
+		return nil, fmt.Errorf("open snapshot metadata: %w", err)
+	}
+	options, err := mountOptions(cfg.Root, cfg.MountOptions)
+	if err != nil {
+		ms.Close()
+		return nil, err
+	}
+	opts := []overlay.Opt{overlay.WithMetaStore(ms), overlay.WithMountOptions(options)}
+	if cfg.AsyncRemove {
+		opts = append(opts, overlay.AsynchronousRemove)
+	}
+	ov, err := overlay.NewSnapshotter(cfg.Root, opts...)
+	if err != nil {
+		ms.Close()
+		return nil, fmt.Errorf("open overlay snapshotter: %w", err)
+	}
+	s := &Snapshotter{
+		root: cfg.Root, ms: ms, overlay: ov, store: store, forks: fk, views: views,
+		defaults: cfg.Defaults, options: options, locks: locker.New(), metrics: newMetrics(),
+	}
+	s.detachStaleViews(ctx)
+	return s, nil
+}
+
+// mountOptions applies the overlay snapshotter's defaults once, so that overlay mounts
+// of plain snapshots and of fork-bearing ones carry the same options.
+func mountOptions(root string, configured []string) ([]string, error) {
+	options := append([]string(nil), configured...)
+	if !hasOption(options, "userxattr") {
+		need, err := overlayutils.NeedsUserXAttr(root)
+		if err != nil {
+			log.L.WithError(err).Warn("cannot tell whether overlay needs userxattr; assuming not")
+		}
+		if need {
+			options = append(options, "userxattr")
+		}
+	}
+	if !hasOption(options, "index") {
+		if _, err := os.Stat("/sys/module/overlay/parameters/index"); err == nil {
+			options = append(options, "index=off")
+		}
+	}
+	return options, nil
+}
+
+func hasOption(options []string, key string) bool {
+	for _, o := range options {
+		if o == key || strings.HasPrefix(o, key+"=") {
+			return true
+		}
+	}
+	return false
+}
+
+func (s *Snapshotter) upperPath(id string) string {
+	return filepath.Join(s.root, "snapshots", id, "fs")
+}
+func (s *Snapshotter) workPath(id string) string {
+	return filepath.Join(s.root, "snapshots", id, "work")
+}
+func (s *Snapshotter) viewDir(id string) string { return filepath.Join(s.root, "views", id) }
+
+// Metrics exposes the snapshotter's Prometheus collectors.
+func (s *Snapshotter) Metrics() *Metrics { return s.metrics }
+
+// Stat delegates to the overlay snapshotter.
+func (s *Snapshotter) Stat(ctx context.Context, key string) (snapshots.Info, error) {
+	return s.overlay.Stat(ctx, key)
+}
+
+// Update delegates; the binding labels are the snapshotter's to set.
+func (s *Snapshotter) Update(ctx context.Context, info snapshots.Info, fieldpaths ...string) (snapshots.Info, error) {
+	for _, fp := range fieldpaths {
+		if k, ok := strings.CutPrefix(fp, "labels."); ok && strings.HasPrefix(k, binding.LabelPrefix) {
+			return snapshots.Info{}, fmt.Errorf("label %s is set at prepare or through tidepool's bind API, not by update: %w", k, errdefs.ErrInvalidArgument)
+		}
+	}
+	return s.overlay.Update(ctx, info, fieldpaths...)
+}
+
+// Usage delegates: a fork-bearing snapshot uses what its upper directory holds.
+func (s *Snapshotter) Usage(ctx context.Context, key string) (snapshots.Usage, error) {
+	return s.overlay.Usage(ctx, key)
+}
+
+// Walk delegates.
+func (s *Snapshotter) Walk(ctx context.Context, fn snapshots.WalkFunc, filters ...string) error {
+	return s.overlay.Walk(ctx, fn, filters...)
+}
+
+// Prepare creates an active snapshot; with tidepool labels its rootfs gets the fork.
+func (s *Snapshotter) Prepare(ctx context.Context, key, parent string, opts ...snapshots.Opt) ([]mount.Mount, error) {
+	return s.create(ctx, snapshots.KindActive, key, parent, opts)
+}
+
+// View creates a read-only snapshot; with tidepool labels it shows the fork too.
+func (s *Snapshotter) View(ctx context.Context, key, parent string, opts ...snapshots.Opt) ([]mount.Mount, error) {
+	return s.create(ctx, snapshots.KindView, key, parent, opts)
+}
+
+func (s *Snapshotter) create(ctx context.Context, kind snapshots.Kind, key, parent string, opts []snapshots.Opt) (_ []mount.Mount, retErr error) {
+	var req snapshots.Info
+	for _, o := range opts {
+		if err := o(&req); err != nil {
+			return nil, err
+		}
+	}
+	spec, ok, err := binding.Parse(req.Labels, binding.LabelKeys, s.defaults)
+	if err != nil {
+		return nil, fmt.Errorf("prepare %s: %w", key, err)
+	}
+	delegate := s.overlay.Prepare
+	if kind == snapshots.KindView {
+		delegate = s.overlay.View
+	}
+	if !ok {
+		return delegate(ctx, key, parent, opts...)
+	}
+	for _, k := range []string{labelForkID, labelBase} {
+		if _, set := req.Labels[k]; set {
+			return nil, fmt.Errorf("prepare %s: label %s is reserved for the snapshotter: %w", key, k, errdefs.ErrInvalidArgument)
+		}
+	}
+	if _, set := req.Labels[snapshots.LabelSnapshotUIDMapping]; set {
+		return nil, fmt.Errorf("prepare %s: user namespace remapping is not supported with a fork: %w", key, errdefs.ErrNotImplemented)
+	}
+	s.locks.Lock(key)
+	defer s.locks.Unlock(key)
+
+	extra := map[string]string{}
+	var created string
+	if !spec.LateBind {
+		forkID, root, isNew, err := s.resolveFork(ctx, spec.Fork, key)
+		if err != nil {
+			return nil, fmt.Errorf("prepare %s: invalid %s=%q: %w", key, binding.LabelFork, spec.Fork, err)
+		}
+		if isNew {
+			created = forkID
+		}
+		extra[labelForkID], extra[labelBase] = forkID, root.String()
+	}
+	defer func() {
+		if retErr != nil && created != "" {
+			if err := s.forks.Remove(context.WithoutCancel(ctx), created); err != nil {
+				log.G(ctx).WithError(err).WithField("fork", created).Warn("could not remove the fork record of a failed prepare")
+			}
+		}
+	}()
+	if _, err := delegate(ctx, key, parent, append(opts, snapshots.WithLabels(extra))...); err != nil {
+		return nil, err
+	}
+	sn, info, err := s.get(ctx, key)
+	if err == nil {
+		var b bound
+		b, _, err = s.parseBound(info)
+		if err == nil {
+			err = s.pinAndMount(ctx, sn.ID, key, b)
+		}
+	}
+	if err != nil {
+		if rerr := s.overlay.Remove(context.WithoutCancel(ctx), key); rerr != nil {
+			log.G(ctx).WithError(rerr).WithField("key", key).Warn("could not remove the snapshot of a failed prepare")
+		}
+		return nil, fmt.Errorf("prepare %s: %w", key, err)
+	}
+	s.metrics.binds.WithLabelValues("label").Inc()
+	return s.forkMounts(sn), nil
+}
+
+// bound is a fork-bearing snapshot's binding as recorded in its labels.
+type bound struct {
+	spec   binding.Spec
+	forkID string        // "" while a late-bound view waits for its fork
+	base   casstore.Hash // the root the view shows and the commit starts from
+}
+
+func (b bound) isBound() bool { return b.forkID != "" }
+
+// parseBound reads the binding from a snapshot's labels; ok is false for a snapshot
+// without a fork.
+func (s *Snapshotter) parseBound(info snapshots.Info) (bound, bool, error) {
+	spec, ok, err := binding.Parse(info.Labels, binding.LabelKeys, s.defaults)
+	if err != nil || !ok {
+		return bound{}, false, err
+	}
+	b := bound{spec: spec, forkID: info.Labels[labelForkID]}
+	if b.isBound() {
+		if b.base, err = casstore.ParseHash(info.Labels[labelBase]); err != nil {
+			return bound{}, false, fmt.Errorf("snapshot %s: label %s: %w", info.Name, labelBase, err)
+		}
+	}
+	return b, true, nil
+}
+
+func pinName(key string) string { return "snapshot/" + key }
+
+// pinAndMount pins the bound root for as long as the snapshot exists and serves its view.
+func (s *Snapshotter) pinAndMount(ctx context.Context, id, key string, b bound) error {
+	if b.isBound() {
+		if err := s.forks.Pin(pinName(key), b.base); err != nil {
+			return fmt.Errorf("pin root %s: %w", b.base.Short(), err)
+		}
+	}
+	return s.ensureView(ctx, id, b)
+}
+
+func (s *Snapshotter) ensureView(ctx context.Context, id string, b bound) error {
+	dir := s.viewDir(id)
+	if s.views.Mounted(ctx, dir) {
+		return nil
+	}
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return fmt.Errorf("create view mountpoint: %w", err)
+	}
+	spec := ViewSpec{Root: b.base, Prefix: b.spec.Prefix(), UID: b.spec.UID, GID: b.spec.GID}
+	if err := s.views.Mount(ctx, dir, spec); err != nil {
+		return fmt.Errorf("mount fork view at %s: %w", dir, err)
+	}
+	return nil
+}
+
+// resolveFork turns a fork reference into a fork record and its root. A bare root hash
+// gets a record of its own, labelled with the snapshot key, so the container's result
+// can always be found with `tidepool forks`.
+func (s *Snapshotter) resolveFork(ctx context.Context, ref, key string) (forkID string, root casstore.Hash, isNew bool, err error) {
+	t, err := forks.Resolve(ctx, s.forks, ref)
+	if err != nil {
+		if errdefs.IsNotFound(err) {
+			return "", root, false, fmt.Errorf("%v: %w", err, errdefs.ErrInvalidArgument)
+		}
+		return "", root, false, err
+	}
+	if err := s.checkRoot(t.Root); err != nil {
+		return "", root, false, err
+	}
+	if t.Fork != nil {
+		return t.Fork.ID, t.Root, false, nil
+	}
+	f, err := s.forks.Create(ctx, forks.CreateRequest{Base: t.Root, Label: key, Labels: map[string]string{"tidepool.dev/snapshot": key}})
+	if err != nil {
+		return "", root, false, fmt.Errorf("create fork record: %w", err)
+	}
+	return f.ID, f.Root, true, nil
+}
+
+// checkRoot makes sure the root is a readable tree here before a container is given it.
+func (s *Snapshotter) checkRoot(root casstore.Hash) error {
+	if _, err := s.store.ReadTree(root); err != nil {
+		if errdefs.IsNotFound(err) {
+			return fmt.Errorf("root %s is not in the store: %w", root, errdefs.ErrInvalidArgument)
+		}
+		return fmt.Errorf("root %s is not a usable tree: %v: %w", root, err, errdefs.ErrInvalidArgument)
+	}
+	return nil
+}
+
+func (s *Snapshotter) get(ctx context.Context, key string) (sn storage.Snapshot, info snapshots.Info, err error) {
+	err = s.ms.WithTransaction(ctx, false, func(ctx context.Context) error {
+		if sn, err = storage.GetSnapshot(ctx, key); err != nil {
+			return err
+		}
+		_, info, _, err = storage.GetInfo(ctx, key)
+		return err
+	})
+	return sn, info, err
+}
+
+// forkMounts is the overlay of a fork-bearing snapshot: the view above the image layers.
+func (s *Snapshotter) forkMounts(sn storage.Snapshot) []mount.Mount {
+	lowers := []string{s.viewDir(sn.ID)}
+	for _, p := range sn.ParentIDs {
+		lowers = append(lowers, s.upperPath(p))
+	}
+	var options []string
+	if sn.Kind == snapshots.KindActive {
+		options = append(options, "workdir="+s.workPath(sn.ID), "upperdir="+s.upperPath(sn.ID))
+	} else if len(sn.ParentIDs) == 0 {
+		lowers = append(lowers, s.upperPath(sn.ID)) // overlay needs two lowers without an upper
+	}
+	options = append(options, "lowerdir="+strings.Join(lowers, ":"))
+	options = append(options, s.options...)
+	return []mount.Mount{{Type: "overlay", Source: "overlay", Options: options}}
+}
+
+// Mounts returns a snapshot's mounts, mounting its view again if this process has not
+// served it yet (after a restart).
+func (s *Snapshotter) Mounts(ctx context.Context, key string) ([]mount.Mount, error) {
+	sn, info, err := s.get(ctx, key)
+	if err != nil {
+		return s.overlay.Mounts(ctx, key)
+	}
+	b, ok, err := s.parseBound(info)
+	if err != nil {
+		return nil, err
+	}
+	if !ok {
+		return s.overlay.Mounts(ctx, key)
+	}
+	s.locks.Lock(key)
+	defer s.locks.Unlock(key)
+	if err := s.ensureView(ctx, sn.ID, b); err != nil {
+		return nil, fmt.Errorf("mounts %s: %w", key, err)
+	}
+	return s.forkMounts(sn), nil
+}
+
+// Commit turns an active snapshot into a layer. A fork-bearing snapshot cannot be one:
+// its content spans the view, which no layer holds; its changes go to the fork on Remove.
+func (s *Snapshotter) Commit(ctx context.Context, name, key string, opts ...snapshots.Opt) error {
+	if _, info, err := s.get(ctx, key); err == nil {
+		if _, ok, _ := s.parseBound(info); ok {
+			return fmt.Errorf("commit %s: a snapshot with a source fork cannot become an image layer; remove it to commit its changes to the fork: %w", key, errdefs.ErrFailedPrecondition)
+		}
+	}
+	return s.overlay.Commit(ctx, name, key, opts...)
+}
+
+// Remove commits a fork-bearing snapshot's changes to its fork, then removes it. If
+// the commit fails the snapshot stays, so nothing the container wrote is lost.
+func (s *Snapshotter) Remove(ctx context.Context, key string) error {
+	s.locks.Lock(key)
+	defer s.locks.Unlock(key)
+	sn, info, err := s.get(ctx, key)
+	if err != nil {
+		return s.overlay.Remove(ctx, key)
+	}
+	b, ok, err := s.parseBound(info)
+	if err != nil {
+		return fmt.Errorf("remove %s: %w", key, err)
+	}
+	if ok {
+		if sn.Kind == snapshots.KindActive && b.isBound() && !b.spec.Discard {
+			if err := s.commitToFork(ctx, key, sn.ID, b); err != nil {
+				s.metrics.commitErrors.Inc()
+				return fmt.Errorf("remove %s: commit changes to fork %s: %w (the snapshot is kept; label %s=true discards it)", key, b.forkID, err, binding.LabelDiscard)
+			}
+		}
+		if err := s.views.Unmount(ctx, s.viewDir(sn.ID)); err != nil {
+			return fmt.Errorf("remove %s: unmount fork view: %w", key, err)
+		}
+	}
+	if err := s.overlay.Remove(ctx, key); err != nil {
+		return err
+	}
+	if ok {
+		if err := os.Remove(s.viewDir(sn.ID)); err != nil && !errors.Is(err, fs.ErrNotExist) {
+			log.G(ctx).WithError(err).WithField("key", key).Warn("could not remove view mountpoint")
+		}
+		if err := s.forks.Unpin(pinName(key)); err != nil {
+			log.G(ctx).WithError(err).WithField("key", key).Warn("could not unpin the snapshot's root")
+		}
+	}
+	return nil
+}
+
+// commitToFork records the upper directory's changes under the workdir as the fork's
+// next root. If the fork moved meanwhile (another container bound to the same fork
+// committed first), the result becomes a fork of its own rather than overwrite that.
+func (s *Snapshotter) commitToFork(ctx context.Context, key, id string, b bound) error {
+	start := time.Now()
+	newRoot, err := ingest.Upper(ctx, s.store, b.base, s.upperPath(id), b.spec.Prefix(), ingest.Options{})
+	if err != nil {
+		return err
+	}
+	defer func() { s.metrics.commitSeconds.Observe(time.Since(start).Seconds()) }()
+	logger := log.G(ctx).WithField("key", key).WithField("fork", b.forkID).WithField("root", newRoot.Short())
+	if newRoot == b.base {
+		logger.Debug("no changes under the workdir; fork unchanged")
+		return nil
+	}
+	_, err = s.forks.Advance(ctx, b.forkID, b.base, newRoot, "commit of snapshot "+key)
+	if err == nil {
+		logger.Debug("committed snapshot changes to fork")
+		return nil
+	}
+	if !errdefs.IsFailedPrecondition(err) && !errdefs.IsNotFound(err) {
+		return err
+	}
+	if f, gerr := s.forks.Get(ctx, b.forkID); gerr == nil && f.Root == newRoot {
+		return nil // an earlier attempt got this far
+	}
+	label := key + "@" + b.forkID
+	f, cerr := s.forks.Create(ctx, forks.CreateRequest{Base: b.base, Label: label, Labels: map[string]string{"tidepool.dev/diverged-from": b.forkID, "tidepool.dev/snapshot": key}})
+	if cerr != nil {
+		return fmt.Errorf("fork %s moved and a fork for these changes could not be made: %w", b.forkID, cerr)
+	}
+	if _, err := s.forks.Advance(ctx, f.ID, b.base, newRoot, "commit of snapshot "+key); err != nil {
+		return err
+	}
+	logger.WithField("new_fork", f.ID).Warn("fork moved while the container ran; its changes went to a new fork")
+	return nil
+}
+
+// Cleanup removes directories of removed snapshots (asynchronous removal).
+func (s *Snapshotter) Cleanup(ctx context.Context) error {
+	if c, ok := s.overlay.(snapshots.Cleaner); ok {
+		if err := c.Cleanup(ctx); err != nil {
+			return err
+		}
+	}
+	return s.removeOrphanViewDirs(ctx)
+}
+
+func (s *Snapshotter) removeOrphanViewDirs(ctx context.Context) error {
+	var ids map[string]string
+	if err := s.ms.WithTransaction(ctx, false, func(ctx context.Context) (err error) {
+		ids, err = storage.IDMap(ctx)
+		return err
+	}); err != nil {
+		return err
+	}
+	ents, err := os.ReadDir(filepath.Join(s.root, "views"))
+	if err != nil {
+		return err
+	}
+	for _, e := range ents {
+		if _, live := ids[e.Name()]; live {
+			continue
+		}
+		dir := s.viewDir(e.Name())
+		if err := s.views.Unmount(ctx, dir); err != nil {
+			log.G(ctx).WithError(err).WithField("dir", dir).Warn("could not unmount orphaned view")
+			continue
+		}
+		os.Remove(dir)
+	}
+	return nil
+}
+
+// detachStaleViews detaches mountpoints under views/ that no live server backs (a
+// previous process died holding them), so they can be mounted again.
+func (s *Snapshotter) detachStaleViews(ctx context.Context) {
+	ents, err := os.ReadDir(filepath.Join(s.root, "views"))
+	if err != nil {
+		return
+	}
+	for _, e := range ents {
+		dir := s.viewDir(e.Name())
+		if s.views.Mounted(ctx, dir) {
+			continue
+		}
+		if err := s.views.Unmount(ctx, dir); err != nil {
+			log.G(ctx).WithError(err).WithField("dir", dir).Warn("could not detach stale view")
+		}
+	}
+}
+
+// Close closes the metadata store. Views stay with their host, which the owner closes.
+func (s *Snapshotter) Close() error { return s.overlay.Close() }

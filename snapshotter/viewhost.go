@@ -1,0 +1,30 @@
+package snapshotter
+
+import (
+	"context"
+
+	"github.com/tidepool-dev/tidepool/casstore"
+)
+
+// ViewSpec describes one fork view: which tree, where inside the view, and whom its
+// files belong to.
+type ViewSpec struct {
+	Root     casstore.Hash // zero: mount unbound, Bind later
+	Prefix   string        // the workdir relative to the rootfs, e.g. "app"
+	UID, GID uint32
+}
+
+// ViewHost mounts and unmounts fork views at directories. The snapshotter does not
+// care who serves them: this process, or a longer-lived one that keeps running
+// containers' views alive across a daemon restart.
+type ViewHost interface {
+	// Mount serves spec at dir (an existing empty directory).
+	Mount(ctx context.Context, dir string, spec ViewSpec) error
+	// Bind gives an unbound view its tree. It fails if anything looked up the
+	// workdir in the view before, because an overlay above it may have cached that.
+	Bind(ctx context.Context, dir string, root casstore.Hash) error
+	// Mounted reports whether a live view is served at dir.
+	Mounted(ctx context.Context, dir string) bool
+	// Unmount stops serving dir and detaches it; a dir that is not mounted is fine.
+	Unmount(ctx context.Context, dir string) error
+}
