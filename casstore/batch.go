@@ -249,8 +249,12 @@ func (b *Batch) Commit() error {
 		b.removePending()
 		return err
 	}
+	// Publication time, not write time, is what garbage collection's grace period
+	// must count from: the caller references these objects only after Commit.
+	now := time.Now()
 	dirs := map[string]struct{}{}
 	for h, tmp := range b.pending {
+		_ = os.Chtimes(tmp, now, now)
 		final := b.s.Path(h)
 		dir := filepath.Dir(final)
 		if err := b.s.ensureFanout(dir); err != nil {

@@ -112,6 +112,10 @@ func (d *DB) Create(_ context.Context, req CreateRequest) (*Fork, error) {
 
 // Get finds a fork by id, then by label.
 func (d *DB) Get(_ context.Context, ref string) (*Fork, error) {
+	if ref == "" {
+		// Unlabelled forks have the label "": an empty ref must not find one of them.
+		return nil, notFound(ref)
+	}
 	var out *Fork
 	err := d.db.View(func(tx *bolt.Tx) error {
 		if f, err := getFork(tx, ref); err == nil {

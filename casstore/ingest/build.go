@@ -1,0 +1,199 @@
+package ingest
+
+import (
+	"context"
+	"fmt"
+	"os"
+
+	"golang.org/x/sync/errgroup"
+
+	"github.com/tidepool-dev/tidepool/casstore"
+)
+
+// child is one entry of a directory being built. Its hash is known when the child is
+// created (reused subtrees, symlinks, metacopy files), filled in by a worker (regular
+// files), or computed when the tree is finished (dir != nil).
+type child struct {
+	name string // UTF-8 name written to the tree
+	raw  string // name as the OS spelled it, for error messages
+	mode casstore.Mode
+	hash casstore.Hash
+	dir  *dirNode
+	// file marks a regular file still to be stored by a worker; size is its size.
+	file bool
+	size int64
+	// walk marks a directory still to be walked; if hasBase, it is merged over the
+	// base tree named by base (Upper only).
+	walk    bool
+	hasBase bool
+	base    casstore.Hash
+}
+
+// dirNode is a directory whose tree object is written once every child hash is known.
+type dirNode struct {
+	path     string
+	children []child
+}
+
+// fileJob asks a worker to store one regular file and record its hash in dst.
+type fileJob struct {
+	path string
+	dst  *casstore.Hash
+}
+
+// builder runs one ingest: a single walker goroutine decides the shape of the tree and
+// hands regular files to a bounded pool of workers that hash and stage them; trees are
+// written afterwards, deepest first, so the result does not depend on worker timing.
+type builder struct {
+	ctx   context.Context // cancelled on the first error
+	store *casstore.Store
+	batch *casstore.Batch
+	opts  Options
+	jobs  chan fileJob
+	c     counters
+
+	// Upper only: the base root and the prefix it sits at, for metacopy redirects.
+	base   casstore.Hash
+	prefix string
+}
+
+// build runs walk under a fresh batch and returns the root tree's hash. The batch is
+// committed only if everything succeeded; otherwise it is aborted, leaving the store
+// as it was.
+func build(ctx context.Context, store *casstore.Store, opts Options, walk func(b *builder) (*dirNode, error)) (casstore.Hash, Stats, error) {
+	batch, err := store.Begin()
+	if err != nil {
+		return casstore.Hash{}, Stats{}, err
+	}
+	committed := false
+	defer func() {
+		if !committed {
+			batch.Abort()
+		}
+	}()
+	workers := opts.Workers
+	if workers <= 0 {
+		workers = defaultWorkers
+	}
+	g, gctx := errgroup.WithContext(ctx)
+	b := &builder{ctx: gctx, store: store, batch: batch, opts: opts, jobs: make(chan fileJob, 4*workers)}
+	b.c.cb = opts.Progress
+	for i := 0; i < workers; i++ {
+		g.Go(b.worker)
+	}
+	var root *dirNode
+	g.Go(func() error {
+		defer close(b.jobs)
+		var err error
+		root, err = walk(b)
+		if err == nil {
+			b.c.walkDone.Store(true)
+			b.c.report(true)
+		}
+		return err
+	})
+	if err := g.Wait(); err != nil {
+		if ctx.Err() != nil {
+			return casstore.Hash{}, Stats{}, ctx.Err()
+		}
+		return casstore.Hash{}, Stats{}, err
+	}
+	b.ctx = ctx // errgroup cancels gctx once Wait returns
+	h, err := b.finish(root)
+	if err != nil {
+		return casstore.Hash{}, Stats{}, err
+	}
+	if err := ctx.Err(); err != nil {
+		return casstore.Hash{}, Stats{}, err
+	}
+	if err := batch.Commit(); err != nil {
+		return casstore.Hash{}, Stats{}, fmt.Errorf("commit objects: %w", err)
+	}
+	committed = true
+	b.c.report(true)
+	return h, b.c.stats(), nil
+}
+
+func (b *builder) worker() error {
+	for j := range b.jobs {
+		if err := b.ctx.Err(); err != nil {
+			return err
+		}
+		h, size, err := b.batch.PutFile(j.path)
+		if err != nil {
+			return err // PutFile names the file
+		}
+		*j.dst = h
+		b.c.files.Add(1)
+		b.c.bytes.Add(size)
+		b.c.report(false)
+	}
+	return nil
+}
+
+// addFile queues a regular file for a worker; its hash lands in *dst.
+func (b *builder) addFile(path string, size int64, dst *casstore.Hash) error {
+	b.c.foundFiles.Add(1)
+	b.c.foundBytes.Add(size)
+	select {
+	case b.jobs <- fileJob{path: path, dst: dst}:
+		return nil
+	case <-b.ctx.Done():
+		return b.ctx.Err()
+	}
+}
+
+// symlink stores a link's target bytes as a blob.
+func (b *builder) symlink(path string) (casstore.Hash, error) {
+	target, err := os.Readlink(path)
+	if err != nil {
+		return casstore.Hash{}, fmt.Errorf("read symlink %s: %w", path, err)
+	}
+	h, err := b.batch.PutBytes([]byte(target))
+	if err != nil {
+		return casstore.Hash{}, fmt.Errorf("store symlink %s: %w", path, err)
+	}
+	b.c.symlinks++
+	return h, nil
+}
+
+// queueFiles hands every regular-file child of n to the workers. It runs once n's
+// children slice is final, so the pointers it gives out stay valid.
+func (b *builder) queueFiles(n *dirNode) error {
+	for i := range n.children {
+		if c := &n.children[i]; c.file {
+			if err := b.addFile(childPath(n.path, c.raw), c.size, &c.hash); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+// finish writes the tree objects bottom-up and returns the root's hash.
+func (b *builder) finish(n *dirNode) (casstore.Hash, error) {
+	if err := b.ctx.Err(); err != nil {
+		return casstore.Hash{}, err
+	}
+	entries := make([]casstore.Entry, len(n.children))
+	for i := range n.children {
+		c := &n.children[i]
+		if c.dir != nil {
+			h, err := b.finish(c.dir)
+			if err != nil {
+				return casstore.Hash{}, err
+			}
+			c.hash = h
+		}
+		entries[i] = casstore.Entry{Mode: c.mode, Name: c.name, Hash: c.hash}
+	}
+	h, err := b.batch.WriteTree(entries)
+	if err != nil {
+		return casstore.Hash{}, fmt.Errorf("write tree for %q: %w", n.path, err)
+	}
+	return h, nil
+}
+
+func childPath(dir, name string) string {
+	return dir + string(os.PathSeparator) + name
+}

@@ -1,0 +1,115 @@
+package ingest
+
+import (
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/containerd/errdefs"
+)
+
+// Options tunes an ingest. The zero value is Tidepool's default mode.
+type Options struct {
+	// LunarStrict reproduces LunarFS exactly: symlinks are dropped like special files,
+	// so the root equals what `lunar ingest` prints for the same directory. Without
+	// it, symlinks become casstore.ModeSymlink entries whose blob is the link target.
+	LunarStrict bool
+	// Workers bounds how many files are hashed and stored at once; 0 picks a default
+	// suited to the machine (file IO overlaps hashing, so a few more than the CPUs).
+	Workers int
+	// Progress, if set, is called with the running totals while files are hashed (at
+	// most every ProgressInterval, from one goroutine at a time) and once more at the
+	// end. It must return quickly: it runs on the ingest's workers.
+	Progress func(Progress)
+}
+
+// ProgressInterval is the minimum time between two Progress calls (the final call is
+// always made).
+const ProgressInterval = 100 * time.Millisecond
+
+// Progress is a snapshot of an ingest in flight, enough for a progress bar.
+type Progress struct {
+	Files int64 // regular files hashed and stored so far
+	Bytes int64 // their total size
+	// FoundFiles and FoundBytes count the regular files the directory walk has found so
+	// far; they are final once WalkDone is true, and can then be used as the bar's total.
+	FoundFiles int64
+	FoundBytes int64
+	WalkDone   bool
+}
+
+// Stats summarizes a finished ingest.
+type Stats struct {
+	Files    int64 // regular files ingested
+	Dirs     int64 // directories ingested, the root included
+	Symlinks int64 // symlinks recorded (always 0 with LunarStrict)
+	Skipped  int64 // entries left out: .git, FIFOs, sockets, devices, and symlinks with LunarStrict
+	Bytes    int64 // total size of the regular files
+}
+
+// ErrNameCollision is wrapped by the error returned when two names in one directory
+// become the same name once converted to UTF-8. LunarFS would write both as duplicate
+// entries; Tidepool's tree codec refuses duplicates on read, so it never writes them.
+var ErrNameCollision = fmt.Errorf("names collide after conversion to UTF-8: %w", errdefs.ErrInvalidArgument)
+
+// ErrRedirect is wrapped by Upper's error for an upper directory that relies on
+// overlayfs's redirect_dir feature (renamed directories pointing at their lower
+// origin), which Upper cannot follow: the lower path it names is outside the base tree
+// as Upper sees it.
+var ErrRedirect = fmt.Errorf("overlay redirect_dir is not supported: %w", errdefs.ErrNotImplemented)
+
+// defaultWorkers is used when Options.Workers is 0.
+const defaultWorkers = 4
+
+// counters is the progress and stats state shared by the walker and the workers.
+type counters struct {
+	files, bytes           atomic.Int64
+	foundFiles, foundBytes atomic.Int64
+	walkDone               atomic.Bool
+
+	// Walker-only counters: read after the walk has finished.
+	dirs, symlinks, skipped int64
+
+	cb   func(Progress)
+	mu   sync.Mutex
+	last time.Time
+}
+
+func (c *counters) snapshot() Progress {
+	return Progress{
+		Files:      c.files.Load(),
+		Bytes:      c.bytes.Load(),
+		FoundFiles: c.foundFiles.Load(),
+		FoundBytes: c.foundBytes.Load(),
+		WalkDone:   c.walkDone.Load(),
+	}
+}
+
+// report calls the progress callback if it is due (or force is set).
+func (c *counters) report(force bool) {
+	if c.cb == nil {
+		return
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	now := time.Now()
+	if !force && now.Sub(c.last) < ProgressInterval {
+		return
+	}
+	c.last = now
+	c.cb(c.snapshot())
+}
+
+func (c *counters) stats() Stats {
+	return Stats{
+		Files:    c.files.Load(),
+		Dirs:     c.dirs,
+		Symlinks: c.symlinks,
+		Skipped:  c.skipped,
+		Bytes:    c.bytes.Load(),
+	}
+}
+
+// errInvalid marks errors in what the caller asked for.
+var errInvalid = errdefs.ErrInvalidArgument

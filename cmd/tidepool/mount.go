@@ -1,0 +1,272 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/containerd/errdefs"
+	"github.com/containerd/log"
+	"github.com/spf13/cobra"
+
+	"github.com/tidepool-dev/tidepool/fuse"
+)
+
+func init() { commands = append(commands, newMountCommand, newUmountCommand) }
+
+// readyEnv tells a re-executed `mount --daemon` child which fd to report readiness
+// on: "ok\n" once the view is mounted, or the error that stopped it.
+const readyEnv = "TIDEPOOL_MOUNT_READY_FD"
+
+// daemonReadyTimeout bounds how long `mount --daemon` waits for its child.
+const daemonReadyTimeout = time.Minute
+
+type mountFlags struct {
+	prefix        string
+	owner         string
+	noPassthrough bool
+	daemon        bool
+	logFile       string
+}
+
+func newMountCommand(a *app) *cobra.Command {
+	var f mountFlags
+	cmd := &cobra.Command{
+		Use:   "mount [flags] ROOT|FORK DIR",
+		Short: "Mount a lazy, read-only view of a root or fork",
+		Long: `Mount a read-only FUSE view of ROOT (or FORK's current root) at DIR. Nothing is
+read up front: directories are decoded when first looked up and files opened from
+the verified store objects (with FUSE passthrough when the kernel offers it).
+
+--prefix places the tree under a relative path inside DIR (parents are synthesized,
+owned by 0:0), so DIR can serve as an overlay lower that merges with an image's own
+directory there. --owner sets the uid:gid reported for the tree (default 0:0).
+
+The command serves in the foreground until SIGINT/SIGTERM or until DIR is unmounted
+(tidepool umount DIR). With --daemon it serves from a detached background process
+and prints that process's pid once the view is mounted. A fork is resolved once, at
+mount: later commits to it are not seen by this view.`,
+		Args: cobra.ExactArgs(2),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			return runMount(cmd.Context(), a, f, args[0], args[1], cmd.OutOrStdout())
+		},
+	}
+	fl := cmd.Flags()
+	fl.StringVar(&f.prefix, "prefix", "", "place the tree under this relative path inside DIR (e.g. app)")
+	fl.StringVar(&f.owner, "owner", "0:0", "numeric UID:GID that owns the tree's files and directories")
+	fl.BoolVar(&f.noPassthrough, "no-passthrough", false, "serve reads through this process even if the kernel supports FUSE passthrough")
+	fl.BoolVar(&f.daemon, "daemon", false, "serve from a detached background process; print its pid once mounted")
+	fl.StringVar(&f.logFile, "log-file", "", "with --daemon, append the background process's logs to this file (default: discard)")
+	return cmd
+}
+
+func newUmountCommand(a *app) *cobra.Command {
+	var lazy bool
+	cmd := &cobra.Command{
+		Use:   "umount [--lazy] DIR",
+		Short: "Unmount a view mounted by tidepool mount",
+		Long: `Unmount the tidepool view at DIR; the process serving it then exits. A view in use
+(an open file, an overlay on top) is not unmounted unless --lazy is given, which
+detaches it at once and lets it go when its last user does; --lazy also clears a
+view whose serving process died. DIR must hold a tidepool view.`,
+		Args: cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			if lazy {
+				return fuse.UnmountStale(args[0])
+			}
+			err := fuse.UnmountDir(args[0])
+			if errors.Is(err, errdefs.ErrFailedPrecondition) {
+				return fmt.Errorf("%w (still in use: stop its users, or use --lazy)", err)
+			}
+			return err
+		},
+	}
+	cmd.Flags().BoolVar(&lazy, "lazy", false, "detach now even if busy (or if its server died)")
+	return cmd
+}
+
+// parseOwner reads a strict numeric "UID:GID".
+func parseOwner(s string) (uid, gid uint32, err error) {
+	bad := func() (uint32, uint32, error) {
+		return 0, 0, fmt.Errorf("invalid --owner %q: want numeric UID:GID such as 1000:1000: %w", s, errdefs.ErrInvalidArgument)
+	}
+	u, g, ok := strings.Cut(s, ":")
+	if !ok {
+		return bad()
+	}
+	ids := [2]uint32{}
+	for i, part := range []string{u, g} {
+		if part == "" || strings.TrimLeft(part, "0123456789") != "" {
+			return bad()
+		}
+		n, err := strconv.ParseUint(part, 10, 32)
+		if err != nil || n == 1<<32-1 { // -1 means "unchanged" to the kernel
+			return bad()
+		}
+		ids[i] = uint32(n)
+	}
+	return ids[0], ids[1], nil
+}
+
+func runMount(ctx context.Context, a *app, f mountFlags, ref, dir string, stdout io.Writer) (err error) {
+	uid, gid, err := parseOwner(f.owner)
+	if err != nil {
+		return err
+	}
+	if err := fuse.ValidatePrefix(f.prefix); err != nil {
+		return err
+	}
+	ready, err := readyPipe()
+	if err != nil {
+		return err
+	}
+	if ready == nil && f.daemon {
+		return daemonize(ctx, f, dir, stdout)
+	}
+	if ready != nil {
+		// Tell the waiting parent how this ended, if it ends before the view is up.
+		defer func() {
+			if ready != nil {
+				fmt.Fprint(ready, err)
+				ready.Close()
+			}
+		}()
+	}
+
+	t, err := a.resolve(ctx, ref)
+	if err != nil {
+		return err
+	}
+	// Release the fork database (or daemon connection) now: a mount runs for long.
+	if err := a.close(); err != nil {
+		return err
+	}
+	store, err := a.openStore()
+	if err != nil {
+		return err
+	}
+	v, err := fuse.Mount(ctx, store, t.Root, dir, fuse.Options{
+		Prefix:             f.prefix,
+		UID:                uid,
+		GID:                gid,
+		DisablePassthrough: f.noPassthrough,
+	})
+	if err != nil {
+		return err
+	}
+	lg := log.G(ctx).WithFields(log.Fields{"dir": v.Dir(), "root": t.Root, "passthrough": v.PassthroughActive()})
+	lg.Info("view mounted")
+	if ready != nil {
+		_, werr := io.WriteString(ready, "ok\n")
+		ready.Close()
+		ready = nil
+		if werr != nil {
+			lg.WithError(werr).Warn("parent went away before the view was ready")
+		}
+	}
+
+	select {
+	case <-v.Done():
+		lg.Info("view unmounted externally")
+		return nil
+	case <-ctx.Done():
+	}
+	err = v.Unmount()
+	if errors.Is(err, errdefs.ErrFailedPrecondition) {
+		lg.WithError(err).Warn("view is busy: detaching it; serving until its last user leaves")
+		if err := fuse.UnmountStale(v.Dir()); err != nil {
+			return err
+		}
+		<-v.Done()
+		return nil
+	}
+	if err == nil {
+		lg.Info("view unmounted")
+	}
+	return err
+}
+
+// readyPipe returns the readiness fd if this process is a `mount --daemon` child.
+func readyPipe() (*os.File, error) {
+	s := os.Getenv(readyEnv)
+	if s == "" {
+		return nil, nil
+	}
+	os.Unsetenv(readyEnv)
+	fd, err := strconv.Atoi(s)
+	if err != nil || fd < 3 {
+		return nil, fmt.Errorf("invalid %s=%q", readyEnv, s)
+	}
+	return os.NewFile(uintptr(fd), "ready"), nil
+}
+
+// daemonize re-executes this command detached (new session, stdio on /dev/null or
+// the log file), waits until the child reports the view mounted, prints the child's
+// pid and returns. If the child fails first, its error is returned and nothing is
+// left mounted.
+func daemonize(ctx context.Context, f mountFlags, dir string, stdout io.Writer) error {
+	exe, err := os.Executable()
+	if err != nil {
+		return fmt.Errorf("mount --daemon: %w", err)
+	}
+	devnull, err := os.OpenFile(os.DevNull, os.O_RDWR, 0)
+	if err != nil {
+		return fmt.Errorf("mount --daemon: %w", err)
+	}
+	defer devnull.Close()
+	logOut := devnull
+	if f.logFile != "" {
+		lf, err := os.OpenFile(f.logFile, os.O_WRONLY|os.O_APPEND|os.O_CREATE, 0o644)
+		if err != nil {
+			return fmt.Errorf("mount --daemon: log file: %w", err)
+		}
+		defer lf.Close()
+		logOut = lf
+	}
+	r, w, err := os.Pipe()
+	if err != nil {
+		return fmt.Errorf("mount --daemon: %w", err)
+	}
+	defer r.Close()
+	cmd := exec.Command(exe, os.Args[1:]...)
+	cmd.Env = append(os.Environ(), readyEnv+"=3")
+	cmd.Stdin, cmd.Stdout, cmd.Stderr = devnull, devnull, logOut
+	cmd.ExtraFiles = []*os.File{w}
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+	err = cmd.Start()
+	w.Close()
+	if err != nil {
+		return fmt.Errorf("mount --daemon: start: %w", err)
+	}
+
+	_ = r.SetReadDeadline(time.Now().Add(daemonReadyTimeout))
+	stop := context.AfterFunc(ctx, func() { _ = r.SetReadDeadline(time.Now()) })
+	msg, rerr := io.ReadAll(r)
+	stop()
+	if string(msg) == "ok\n" {
+		pid := cmd.Process.Pid
+		_ = cmd.Process.Release()
+		fmt.Fprintln(stdout, pid)
+		return nil
+	}
+	if rerr != nil { // timed out or interrupted: leave neither child nor mount behind
+		_ = cmd.Process.Kill()
+		defer func() { _ = fuse.UnmountStale(dir) }()
+	}
+	werr := cmd.Wait()
+	switch {
+	case len(msg) > 0:
+		return errors.New(strings.TrimSpace(string(msg)))
+	case rerr != nil:
+		return fmt.Errorf("mount --daemon: no answer from the background process: %w", rerr)
+	default:
+		return fmt.Errorf("mount --daemon: background process exited before mounting: %v", werr)
+	}
+}

@@ -1,0 +1,316 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/tidepool-dev/tidepool/casstore"
+	"github.com/tidepool-dev/tidepool/casstore/forks"
+	"github.com/tidepool-dev/tidepool/fuse"
+)
+
+func TestParseOwner(t *testing.T) {
+	good := map[string][2]uint32{"0:0": {0, 0}, "1000:1000": {1000, 1000}, "1:2": {1, 2}, "4294967294:7": {4294967294, 7}}
+	for s, want := range good {
+		u, g, err := parseOwner(s)
+		if err != nil || u != want[0] || g != want[1] {
+			t.Errorf("parseOwner(%q) = %d, %d, %v", s, u, g, err)
+		}
+	}
+	for _, s := range []string{"", "1000", "1000:", ":1000", "a:b", "-1:0", "+1:0", " 1:1", "1:1 ", "1:2:3", "4294967295:0", "4294967296:0", "0x10:0", "1_000:0"} {
+		if _, _, err := parseOwner(s); err == nil || !strings.Contains(err.Error(), "invalid --owner") {
+			t.Errorf("parseOwner(%q) = %v, want invalid --owner", s, err)
+		}
+	}
+}
+
+// cliEnv is a Tidepool root with a small tree and a fork "demo" of it, and a
+// freshly built tidepool binary.
+type cliEnv struct {
+	bin, root string
+	tree      casstore.Hash
+}
+
+func newCLIEnv(t *testing.T) *cliEnv {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("needs root: mounts FUSE views")
+	}
+	if _, err := os.Stat("/dev/fuse"); err != nil {
+		t.Skipf("needs /dev/fuse: %v", err)
+	}
+	e := &cliEnv{bin: filepath.Join(t.TempDir(), "tidepool"), root: t.TempDir()}
+	build := exec.Command(filepath.Join(runtime.GOROOT(), "bin", "go"), "build", "-o", e.bin, ".")
+	if out, err := build.CombinedOutput(); err != nil {
+		t.Fatalf("build tidepool: %v\n%s", err, out)
+	}
+	s, err := casstore.Open(filepath.Join(e.root, "cas"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	hello, err := s.PutBytes([]byte("hello\n"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	script, err := s.PutBytes([]byte("#!/bin/sh\necho hi\n"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if e.tree, err = s.WriteTree([]casstore.Entry{
+		{Mode: casstore.ModeFile, Name: "hello.txt", Hash: hello},
+		{Mode: casstore.ModeExec, Name: "run.sh", Hash: script},
+	}); err != nil {
+		t.Fatal(err)
+	}
+	db, err := forks.OpenDB(filepath.Join(e.root, "forks.db"), time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := db.Create(context.Background(), forks.CreateRequest{Base: e.tree, Label: "demo"}); err != nil {
+		t.Fatal(err)
+	}
+	if err := db.Close(); err != nil {
+		t.Fatal(err)
+	}
+	return e
+}
+
+func (e *cliEnv) command(args ...string) *exec.Cmd {
+	return exec.Command(e.bin, append([]string{"--root", e.root}, args...)...)
+}
+
+// run runs the CLI to completion.
+func (e *cliEnv) run(t *testing.T, args ...string) (stdout, stderr string, err error) {
+	t.Helper()
+	cmd := e.command(args...)
+	var o, se bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &o, &se
+	err = cmd.Run()
+	return o.String(), se.String(), err
+}
+
+// start starts a foreground mount and waits until the view is in the mount table.
+func (e *cliEnv) start(t *testing.T, dir string, args ...string) *exec.Cmd {
+	t.Helper()
+	cmd := e.command(append([]string{"mount"}, append(args, dir)...)...)
+	var se bytes.Buffer
+	cmd.Stderr = &se
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		cmd.Process.Kill()
+		cmd.Wait()
+		fuse.UnmountStale(dir)
+	})
+	deadline := time.Now().Add(20 * time.Second)
+	for !isView(t, dir) {
+		if time.Now().After(deadline) {
+			t.Fatalf("view did not appear at %s; stderr: %s", dir, se.String())
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	return cmd
+}
+
+func isView(t *testing.T, dir string) bool {
+	t.Helper()
+	ms, err := fuse.Mounts(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, m := range ms {
+		if m == dir {
+			return true
+		}
+	}
+	return false
+}
+
+// exited waits for a started command and returns its error.
+func exited(t *testing.T, cmd *exec.Cmd) error {
+	t.Helper()
+	done := make(chan error, 1)
+	go func() { done <- cmd.Wait() }()
+	select {
+	case err := <-done:
+		return err
+	case <-time.After(20 * time.Second):
+		t.Fatal("mount process did not exit")
+		return nil
+	}
+}
+
+// gone reports whether pid no longer runs (a zombie counts as gone).
+func gone(pid int) bool {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+	if err != nil {
+		return true
+	}
+	f := strings.Fields(string(b[bytes.LastIndexByte(b, ')')+1:]))
+	return len(f) > 0 && (f[0] == "Z" || f[0] == "X")
+}
+
+func TestMountCommand(t *testing.T) {
+	e := newCLIEnv(t)
+
+	t.Run("foreground fork with prefix and owner, stopped by SIGINT", func(t *testing.T) {
+		dir := t.TempDir()
+		cmd := e.start(t, dir, "--prefix", "app", "--owner", "1000:1001", "demo")
+		b, err := os.ReadFile(filepath.Join(dir, "app/hello.txt"))
+		if err != nil || string(b) != "hello\n" {
+			t.Fatalf("read through the view: %q %v", b, err)
+		}
+		var st syscall.Stat_t
+		if err := syscall.Stat(filepath.Join(dir, "app/run.sh"), &st); err != nil || st.Uid != 1000 || st.Gid != 1001 || st.Mode&0o777 != 0o755 {
+			t.Errorf("run.sh: uid %d gid %d mode %o (%v)", st.Uid, st.Gid, st.Mode, err)
+		}
+		// The fork database is not held while the view is mounted.
+		db, err := forks.OpenDB(filepath.Join(e.root, "forks.db"), time.Second)
+		if err != nil {
+			t.Errorf("fork database locked by a running mount: %v", err)
+		} else {
+			db.Close()
+		}
+		cmd.Process.Signal(os.Interrupt)
+		if err := exited(t, cmd); err != nil {
+			t.Errorf("exit after SIGINT: %v", err)
+		}
+		if isView(t, dir) {
+			t.Error("view still mounted after SIGINT")
+		}
+	})
+
+	t.Run("umount ends a foreground mount", func(t *testing.T) {
+		dir := t.TempDir()
+		cmd := e.start(t, dir, e.tree.String())
+		f, err := os.Open(filepath.Join(dir, "hello.txt"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, stderr, err := e.run(t, "umount", dir)
+		if err == nil || !strings.Contains(stderr, "--lazy") {
+			t.Errorf("umount of a busy view: %v, stderr %q", err, stderr)
+		}
+		f.Close()
+		if _, stderr, err := e.run(t, "umount", dir); err != nil {
+			t.Fatalf("umount: %v: %s", err, stderr)
+		}
+		if err := exited(t, cmd); err != nil {
+			t.Errorf("mount process after umount: %v", err)
+		}
+		if _, stderr, err := e.run(t, "umount", dir); err == nil || !strings.Contains(stderr, "no tidepool view") {
+			t.Errorf("umount of a plain dir: %v %q", err, stderr)
+		}
+	})
+
+	t.Run("daemon", func(t *testing.T) {
+		dir := t.TempDir()
+		logFile := filepath.Join(t.TempDir(), "mount.log")
+		stdout, stderr, err := e.run(t, "--log-level", "info", "mount", "--daemon", "--log-file", logFile, e.tree.String(), dir)
+		if err != nil {
+			t.Fatalf("mount --daemon: %v: %s", err, stderr)
+		}
+		pid, err := strconv.Atoi(strings.TrimSpace(stdout))
+		if err != nil {
+			t.Fatalf("stdout %q is not a pid", stdout)
+		}
+		t.Cleanup(func() {
+			syscall.Kill(pid, syscall.SIGKILL)
+			fuse.UnmountStale(dir)
+		})
+		// Ready means mounted: no polling needed.
+		if b, err := os.ReadFile(filepath.Join(dir, "hello.txt")); err != nil || string(b) != "hello\n" {
+			t.Fatalf("read right after mount --daemon: %q %v", b, err)
+		}
+		if gone(pid) {
+			t.Fatal("daemon is not running")
+		}
+		if _, stderr, err := e.run(t, "umount", dir); err != nil {
+			t.Fatalf("umount: %v: %s", err, stderr)
+		}
+		deadline := time.Now().Add(20 * time.Second)
+		for !gone(pid) {
+			if time.Now().After(deadline) {
+				t.Fatal("daemon still running after umount")
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+		if b, _ := os.ReadFile(logFile); !strings.Contains(string(b), "view mounted") {
+			t.Errorf("daemon log: %q", b)
+		}
+	})
+
+	t.Run("daemon that cannot mount reports why", func(t *testing.T) {
+		dir := t.TempDir()
+		missing := casstore.Sum([]byte("nothing"))
+		stdout, stderr, err := e.run(t, "mount", "--daemon", missing.String(), dir)
+		if err == nil || stdout != "" || !strings.Contains(stderr, "not in the store") || strings.Count(strings.TrimSpace(stderr), "\n") != 0 {
+			t.Errorf("mount --daemon of a missing root: %v, stdout %q, stderr %q", err, stdout, stderr)
+		}
+		if isView(t, dir) {
+			t.Error("failed daemon left a mount")
+		}
+	})
+
+	t.Run("bad arguments", func(t *testing.T) {
+		dir := t.TempDir()
+		for _, args := range [][]string{
+			{"mount", "--owner", "1000", e.tree.String(), dir},
+			{"mount", "--owner", "x:1", "--daemon", e.tree.String(), dir},
+			{"mount", "--prefix", "../up", e.tree.String(), dir},
+			{"mount", "no-such-fork", dir},
+		} {
+			_, stderr, err := e.run(t, args...)
+			if err == nil || !strings.HasPrefix(stderr, "tidepool: ") {
+				t.Errorf("%q: %v, stderr %q", args, err, stderr)
+			}
+		}
+		if isView(t, dir) {
+			t.Error("a refused mount left a mount")
+		}
+	})
+
+	t.Run("umount --lazy clears a dead view", func(t *testing.T) {
+		dir := t.TempDir()
+		stdout, stderr, err := e.run(t, "mount", "--daemon", e.tree.String(), dir)
+		if err != nil {
+			t.Fatalf("mount --daemon: %v: %s", err, stderr)
+		}
+		pid, _ := strconv.Atoi(strings.TrimSpace(stdout))
+		t.Cleanup(func() { fuse.UnmountStale(dir) })
+		if err := syscall.Kill(pid, syscall.SIGKILL); err != nil {
+			t.Fatal(err)
+		}
+		deadline := time.Now().Add(20 * time.Second)
+		for {
+			_, err := os.Stat(dir)
+			if errors.Is(err, syscall.ENOTCONN) {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("view did not die: %v", err)
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+		if _, stderr, err := e.run(t, "umount", "--lazy", dir); err != nil {
+			t.Fatalf("umount --lazy: %v: %s", err, stderr)
+		}
+		if isView(t, dir) {
+			t.Error("dead view still mounted")
+		}
+		if _, err := os.Stat(dir); err != nil {
+			t.Errorf("mountpoint unusable after cleanup: %v", err)
+		}
+	})
+}

@@ -1,0 +1,171 @@
+package shim
+
+import (
+	"context"
+	"fmt"
+	"path/filepath"
+	"sync"
+	"time"
+
+	taskapi "github.com/containerd/containerd/api/runtime/task/v3"
+	"github.com/containerd/containerd/api/types"
+	"github.com/containerd/containerd/api/types/runc/options"
+	"github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2/task"
+	"github.com/containerd/containerd/v2/pkg/oci"
+	"github.com/containerd/containerd/v2/pkg/shim"
+	"github.com/containerd/containerd/v2/pkg/shutdown"
+	"github.com/containerd/containerd/v2/plugins"
+	"github.com/containerd/errdefs"
+	"github.com/containerd/plugin"
+	"github.com/containerd/plugin/registry"
+	"github.com/containerd/ttrpc"
+	"github.com/containerd/typeurl/v2"
+	specs "github.com/opencontainers/runtime-spec/specs-go"
+	"google.golang.org/protobuf/types/known/anypb"
+
+	apiv1 "github.com/tidepool-dev/tidepool/api/v1"
+	"github.com/tidepool-dev/tidepool/binding"
+	"github.com/tidepool-dev/tidepool/localapi"
+)
+
+// RegisterTaskPlugin registers the task service with the shim's plugin registry. It
+// takes the place of containerd's task/plugin package, which must not be imported as
+// well: two ("io.containerd.ttrpc.v1", "task") registrations panic.
+func RegisterTaskPlugin() {
+	registry.Register(&plugin.Registration{
+		Type:     plugins.TTRPCPlugin,
+		ID:       "task",
+		Requires: []plugin.Type{plugins.EventPlugin, plugins.InternalPlugin},
+		InitFn: func(ic *plugin.InitContext) (any, error) {
+			pp, err := ic.GetByID(plugins.EventPlugin, "publisher")
+			if err != nil {
+				return nil, err
+			}
+			ss, err := ic.GetByID(plugins.InternalPlugin, "shutdown")
+			if err != nil {
+				return nil, err
+			}
+			local, err := task.NewTaskService(ic.Context, pp.(shim.Publisher), ss.(shutdown.Service))
+			if err != nil {
+				return nil, err
+			}
+			return &TaskService{TTRPCTaskService: local}, nil
+		},
+	})
+}
+
+// TaskService is containerd's runc task service with tidepool's Create in front.
+type TaskService struct {
+	taskapi.TTRPCTaskService
+
+	mu      sync.Mutex
+	clients map[string]*localapi.Client // by API address
+}
+
+// RegisterTTRPC serves the wrapped service.
+func (s *TaskService) RegisterTTRPC(server *ttrpc.Server) error {
+	taskapi.RegisterTTRPCTaskService(server, s)
+	return nil
+}
+
+// Create routes, normalises the runtime options and binds the requested fork before
+// handing the container to runc.
+func (s *TaskService) Create(ctx context.Context, r *taskapi.CreateTaskRequest) (*taskapi.CreateTaskResponse, error) {
+	spec, err := oci.ReadSpec(filepath.Join(r.Bundle, oci.ConfigFilename))
+	if err != nil {
+		return nil, fmt.Errorf("read bundle spec: %w", err)
+	}
+	cfg, err := LoadConfig(r.Options)
+	if err != nil {
+		return nil, err
+	}
+	name, route, err := cfg.RouteFor(spec.Annotations)
+	if err != nil {
+		return nil, err
+	}
+	if route.Kind != KindRunc {
+		return nil, fmt.Errorf("%s=%q names a delegate shim, but this container was sent to a tidepool runc shim; under CRI the runtime is chosen once per pod, by the sandbox's annotations: %w", AnnotationRuntime, name, errdefs.ErrFailedPrecondition)
+	}
+	if r.Options, err = runcOptions(r.Options, route); err != nil {
+		return nil, err
+	}
+	if err := s.bindFork(ctx, cfg, spec, r); err != nil {
+		return nil, err
+	}
+	return s.TTRPCTaskService.Create(ctx, r)
+}
+
+// runcOptions turns whatever options arrived (none, CRI's runtimeoptions, runc's own)
+// into runc options carrying the route's binary: the runc service reads them unchecked.
+func runcOptions(in *anypb.Any, route Route) (*anypb.Any, error) {
+	opts := &options.Options{}
+	if in != nil && in.GetValue() != nil {
+		if v, err := typeurl.UnmarshalAny(in); err == nil {
+			if ro, ok := v.(*options.Options); ok {
+				opts = ro
+			}
+		}
+	}
+	if route.BinaryName != "" {
+		opts.BinaryName = route.BinaryName
+	}
+	if route.Root != "" {
+		opts.Root = route.Root
+	}
+	out, err := typeurl.MarshalAnyToProto(opts)
+	if err != nil {
+		return nil, fmt.Errorf("marshal runc options: %w", err)
+	}
+	return out, nil
+}
+
+// bindFork applies dev.tidepool.fork/workdir/owner/discard: tidepoold binds the fork to
+// the container's snapshot and returns the rootfs mounts with the fork view in them.
+func (s *TaskService) bindFork(ctx context.Context, cfg *Config, spec *specs.Spec, r *taskapi.CreateTaskRequest) error {
+	ann := spec.Annotations
+	_, ok, err := binding.Parse(ann, binding.AnnotationKeys, binding.Defaults{})
+	if err != nil || !ok {
+		return err
+	}
+	owner := ann[binding.AnnotationOwner]
+	if owner == "" && spec.Process != nil {
+		owner = fmt.Sprintf("%d:%d", spec.Process.User.UID, spec.Process.User.GID)
+	}
+	client, err := s.client(ctx, cfg.APIAddress)
+	if err != nil {
+		return fmt.Errorf("%s=%q: cannot reach tidepoold to bind the fork: %w", binding.AnnotationFork, ann[binding.AnnotationFork], err)
+	}
+	req := &apiv1.BindRequest{
+		Fork: ann[binding.AnnotationFork], Workdir: ann[binding.AnnotationWorkdir], Owner: owner,
+		Discard: ann[binding.AnnotationDiscard] == "true",
+	}
+	for _, m := range r.Rootfs {
+		req.Rootfs = append(req.Rootfs, &apiv1.Mount{Type: m.Type, Source: m.Source, Target: m.Target, Options: m.Options})
+	}
+	res, err := client.Bind(ctx, req)
+	if err != nil {
+		return fmt.Errorf("%s=%q: %w", binding.AnnotationFork, ann[binding.AnnotationFork], err)
+	}
+	r.Rootfs = r.Rootfs[:0]
+	for _, m := range res.GetMounts() {
+		r.Rootfs = append(r.Rootfs, &types.Mount{Type: m.GetType(), Source: m.GetSource(), Target: m.GetTarget(), Options: m.GetOptions()})
+	}
+	return nil
+}
+
+func (s *TaskService) client(ctx context.Context, address string) (*localapi.Client, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if c, ok := s.clients[address]; ok {
+		return c, nil
+	}
+	c, err := localapi.Dial(ctx, address, 3*time.Second)
+	if err != nil {
+		return nil, err
+	}
+	if s.clients == nil {
+		s.clients = map[string]*localapi.Client{}
+	}
+	s.clients[address] = c
+	return c, nil
+}
