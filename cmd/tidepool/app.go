@@ -31,7 +31,7 @@ type app struct {
 
 	store   *casstore.Store
 	forks   forks.Service
-	db      *forks.DB         // set when the database is opened directly
+	db      *forks.DB        // set when the database is opened directly
 	api     *localapi.Client // set when tidepoold owns the database
 	closers []func() error
 }
