@@ -1,0 +1,313 @@
+package imagebuild
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"sort"
+	"strings"
+
+	"github.com/tidepool-dev/tidepool/integration/testenv"
+)
+
+// Names the ready-made images are imported under by the test helpers.
+const (
+	BusyboxRef = "tidepool.test/busybox:latest"
+	NodeRef    = "tidepool.test/node:latest"
+	PauseRef   = "tidepool.test/pause:latest"
+)
+
+// The unprivileged user of the ready-made images.
+const (
+	AgentUser = "agent"
+	AgentUID  = 1000
+	AgentGID  = 1000
+)
+
+// ErrHostMissing marks a failure caused by something this machine lacks (the
+// busybox-static package, node, npm, the go toolchain): tests skip on it.
+var ErrHostMissing = errors.New("host prerequisite missing")
+
+// BusyboxApplets are the commands the Busybox image links to /bin/busybox.
+var BusyboxApplets = []string{
+	"sh", "ls", "cat", "echo", "sleep", "id", "mkdir", "rm", "rmdir", "mv", "cp", "test", "[",
+	"wc", "grep", "sed", "find", "stat", "touch", "chmod", "chown", "ln", "dmesg", "uname",
+	"true", "false", "env", "head", "tail", "sort", "diff", "md5sum", "sha256sum", "printf",
+	"tee", "xargs", "cut", "tr", "readlink", "realpath", "mkfifo", "kill", "ps",
+}
+
+// busyboxHostPath is where Debian's busybox-static installs its binary.
+const busyboxHostPath = "/bin/busybox"
+
+// BusyboxLayer is the base layer of the Busybox and Node images: a static
+// busybox with applet symlinks in /bin, /etc/passwd and /etc/group with root and
+// "agent" (1000:1000), /tmp (1777), and /workspace and /app owned by agent.
+func BusyboxLayer() (Layer, error) {
+	fi, err := os.Stat(busyboxHostPath)
+	if err != nil || !fi.Mode().IsRegular() {
+		return nil, fmt.Errorf("%s not found (install busybox-static): %w", busyboxHostPath, ErrHostMissing)
+	}
+	l := Layer{
+		HostFile("/bin/busybox", busyboxHostPath),
+		File("/etc/passwd", []byte("root:x:0:0:root:/root:/bin/sh\n"+
+			fmt.Sprintf("%s:x:%d:%d:%s:/home/%s:/bin/sh\n", AgentUser, AgentUID, AgentGID, AgentUser, AgentUser)), 0o644),
+		File("/etc/group", []byte("root:x:0:\n"+fmt.Sprintf("%s:x:%d:\n", AgentUser, AgentGID)), 0o644),
+		Dir("/root", 0o700),
+		Dir("/home/"+AgentUser, 0o755).Owner(AgentUID, AgentGID),
+		Dir("/tmp", 0o777|fs.ModeSticky),
+		Dir("/workspace", 0o755).Owner(AgentUID, AgentGID),
+		Dir("/app", 0o755).Owner(AgentUID, AgentGID),
+		Dir("/proc", 0o555),
+		Dir("/sys", 0o555),
+		Dir("/dev", 0o755),
+	}
+	for _, a := range BusyboxApplets {
+		l = append(l, Symlink("/bin/"+a, "busybox"))
+	}
+	return l, nil
+}
+
+// Busybox is a one-layer image with BusyboxLayer; its default command is sh.
+func Busybox() (Spec, error) {
+	l, err := BusyboxLayer()
+	if err != nil {
+		return Spec{}, err
+	}
+	return Spec{Layers: []Layer{l}, Config: Config{Cmd: []string{"sh"}}}, nil
+}
+
+// NodePackages are the npm packages, exact versions, installed into the Node
+// image's /app/node_modules. debug@4.3.4 needs ms@2.1.2 while the app asks for
+// ms@2.1.3, so the tree has a nested node_modules like real projects do.
+var NodePackages = map[string]string{
+	"lodash": "4.17.21",
+	"debug":  "4.3.4",
+	"ms":     "2.1.3",
+}
+
+// nodeIndexJS is /app/index.js, the Node image's default command.
+const nodeIndexJS = `const _ = require('lodash');
+const ms = require('ms');
+const debug = require('debug');
+console.log(JSON.stringify({lodash: _.VERSION, ms: ms('2h'), debug: typeof debug}));
+`
+
+// Node is the Busybox layer plus a second layer with the host's node binary
+// (at the path `command -v node` gives), every shared library ldd lists and the
+// dynamic loader at their host paths, and /app with package.json, index.js and
+// a node_modules tree installed from the npm registry (cached under
+// <repo>/.cache/npm). Its default command is `node /app/index.js`.
+func Node(ctx context.Context) (Spec, error) {
+	base, err := BusyboxLayer()
+	if err != nil {
+		return Spec{}, err
+	}
+	nodePath, err := exec.LookPath("node")
+	if err != nil {
+		return Spec{}, fmt.Errorf("node: %v: %w", err, ErrHostMissing)
+	}
+	libs, err := sharedLibraries(ctx, nodePath)
+	if err != nil {
+		return Spec{}, err
+	}
+	app, err := npmTree(ctx)
+	if err != nil {
+		return Spec{}, err
+	}
+	l := Layer{
+		HostFile(nodePath, nodePath),
+		Dir("/app", 0o755).Owner(AgentUID, AgentGID),
+		HostFile("/app/package.json", filepath.Join(app, "package.json")),
+		HostFile("/app/package-lock.json", filepath.Join(app, "package-lock.json")),
+		HostDir("/app/node_modules", filepath.Join(app, "node_modules")),
+		File("/app/index.js", []byte(nodeIndexJS), 0o644),
+	}
+	for _, lib := range libs {
+		l = append(l, HostFile(lib, lib))
+	}
+	return Spec{
+		Layers: []Layer{base, l},
+		Config: Config{Cmd: []string{"node", "/app/index.js"}, WorkingDir: "/app"},
+	}, nil
+}
+
+// sharedLibraries lists the absolute paths of the libraries and loader a
+// dynamic executable needs, as ldd resolves them on this host.
+func sharedLibraries(ctx context.Context, bin string) ([]string, error) {
+	ldd, err := exec.LookPath("ldd")
+	if err != nil {
+		return nil, fmt.Errorf("ldd: %v: %w", err, ErrHostMissing)
+	}
+	out, err := exec.CommandContext(ctx, ldd, bin).Output()
+	if err != nil {
+		return nil, fmt.Errorf("ldd %s: %w", bin, err)
+	}
+	return parseLdd(out)
+}
+
+// parseLdd reads ldd output: "name => /path (addr)", "/loader (addr)", and
+// entries without a file (the vDSO) that need nothing copied.
+func parseLdd(out []byte) ([]string, error) {
+	seen := map[string]bool{}
+	var libs []string
+	sc := bufio.NewScanner(bytes.NewReader(out))
+	for sc.Scan() {
+		line := strings.TrimSpace(sc.Text())
+		if line == "" || strings.Contains(line, "statically linked") {
+			continue
+		}
+		if strings.Contains(line, "not found") {
+			return nil, fmt.Errorf("ldd: %s", line)
+		}
+		field := line
+		if _, after, ok := strings.Cut(line, "=>"); ok {
+			field = strings.TrimSpace(after)
+		}
+		p, _, _ := strings.Cut(field, " (")
+		p = strings.TrimSpace(p)
+		if !strings.HasPrefix(p, "/") || seen[p] {
+			continue
+		}
+		seen[p] = true
+		libs = append(libs, p)
+	}
+	if err := sc.Err(); err != nil {
+		return nil, fmt.Errorf("ldd output: %w", err)
+	}
+	sort.Strings(libs)
+	return libs, nil
+}
+
+// npmTree returns a directory holding package.json, package-lock.json and the
+// installed node_modules of NodePackages, running npm install once per package
+// set and keeping the result under the cache.
+func npmTree(ctx context.Context) (string, error) {
+	pkg := nodePackageJSON()
+	sum := sha256.Sum256([]byte(pkg))
+	cache, err := testenv.CacheDir("npm")
+	if err != nil {
+		return "", err
+	}
+	final := filepath.Join(cache, "app-"+hex.EncodeToString(sum[:8]))
+	if _, err := os.Stat(filepath.Join(final, "node_modules")); err == nil {
+		return final, nil
+	}
+	npm, err := exec.LookPath("npm")
+	if err != nil {
+		return "", fmt.Errorf("npm: %v: %w", err, ErrHostMissing)
+	}
+	tmp, err := os.MkdirTemp(cache, ".app-tmp-")
+	if err != nil {
+		return "", fmt.Errorf("npm tree: %w", err)
+	}
+	defer os.RemoveAll(tmp) // empty after a successful rename
+	if err := os.WriteFile(filepath.Join(tmp, "package.json"), []byte(pkg), 0o644); err != nil {
+		return "", fmt.Errorf("npm tree: %w", err)
+	}
+	cmd := exec.CommandContext(ctx, npm, "install", "--no-audit", "--no-fund", "--ignore-scripts",
+		"--cache", filepath.Join(cache, "_npm-cache"))
+	cmd.Dir = tmp
+	var out bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &out
+	if err := cmd.Run(); err != nil {
+		return "", fmt.Errorf("npm install in %s: %w: %s", tmp, err, strings.TrimSpace(out.String()))
+	}
+	if err := os.Rename(tmp, final); err != nil {
+		// Another test package installed the same tree first: use theirs.
+		if _, serr := os.Stat(filepath.Join(final, "node_modules")); serr == nil {
+			return final, nil
+		}
+		return "", fmt.Errorf("npm tree: %w", err)
+	}
+	return final, nil
+}
+
+func nodePackageJSON() string {
+	names := make([]string, 0, len(NodePackages))
+	for n := range NodePackages {
+		names = append(names, n)
+	}
+	sort.Strings(names)
+	var deps []string
+	for _, n := range names {
+		deps = append(deps, fmt.Sprintf("    %q: %q", n, NodePackages[n]))
+	}
+	return "{\n  \"name\": \"tidepool-test-app\",\n  \"version\": \"1.0.0\",\n  \"private\": true,\n" +
+		"  \"dependencies\": {\n" + strings.Join(deps, ",\n") + "\n  }\n}\n"
+}
+
+// Pause is an image holding only /pause, a static Go binary (built from
+// integration/imagebuild/pause with CGO_ENABLED=0, cached under
+// <repo>/.cache/bin) that blocks, reaps children and exits 0 on SIGTERM or
+// SIGINT: the sandbox image for CRI tests.
+func Pause(ctx context.Context) (Spec, error) {
+	bin, err := PauseBinary(ctx)
+	if err != nil {
+		return Spec{}, err
+	}
+	data, err := os.ReadFile(bin)
+	if err != nil {
+		return Spec{}, fmt.Errorf("pause image: %w", err)
+	}
+	return Spec{
+		Layers: []Layer{{File("/pause", data, 0o755)}},
+		Config: Config{Entrypoint: []string{"/pause"}},
+	}, nil
+}
+
+// PauseBinary builds the pause program once per source and Go version and
+// returns its path.
+func PauseBinary(ctx context.Context) (string, error) {
+	root, err := testenv.RepoRoot()
+	if err != nil {
+		return "", err
+	}
+	src := filepath.Join(root, "integration", "imagebuild", "pause")
+	h := sha256.New()
+	h.Write([]byte(runtime.Version() + "\n"))
+	files, err := filepath.Glob(filepath.Join(src, "*.go"))
+	if err != nil || len(files) == 0 {
+		return "", fmt.Errorf("pause sources in %s: none found", src)
+	}
+	for _, f := range files {
+		data, err := os.ReadFile(f)
+		if err != nil {
+			return "", fmt.Errorf("pause sources: %w", err)
+		}
+		fmt.Fprintf(h, "%s %d\n", filepath.Base(f), len(data))
+		h.Write(data)
+	}
+	cache, err := testenv.CacheDir("bin")
+	if err != nil {
+		return "", err
+	}
+	out := filepath.Join(cache, "pause-"+hex.EncodeToString(h.Sum(nil)[:8]))
+	if _, err := os.Stat(out); err == nil {
+		return out, nil
+	}
+	goTool, err := exec.LookPath("go")
+	if err != nil {
+		return "", fmt.Errorf("go toolchain: %v: %w", err, ErrHostMissing)
+	}
+	tmp := fmt.Sprintf("%s.tmp-%d", out, os.Getpid())
+	defer os.Remove(tmp)
+	cmd := exec.CommandContext(ctx, goTool, "build", "-trimpath", "-ldflags=-s -w", "-o", tmp, ".")
+	cmd.Dir = src
+	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+	if msg, err := cmd.CombinedOutput(); err != nil {
+		return "", fmt.Errorf("build pause: %w: %s", err, strings.TrimSpace(string(msg)))
+	}
+	if err := os.Rename(tmp, out); err != nil {
+		return "", fmt.Errorf("build pause: %w", err)
+	}
+	return out, nil
+}

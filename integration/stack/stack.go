@@ -1,0 +1,237 @@
+// Package stack starts the whole Tidepool stack for real-stack tests: the project's
+// binaries freshly built from this checkout, a tidepoold on its own root, and a
+// private containerd that uses it as the proxy snapshotter "tidepool" and finds
+// containerd-shim-tidepool-v1 on its PATH. Everything is torn down by t.Cleanup, on
+// failure too.
+package stack
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/containerd/platforms"
+
+	"github.com/tidepool-dev/tidepool/casstore/forks"
+	"github.com/tidepool-dev/tidepool/integration/harness"
+	"github.com/tidepool-dev/tidepool/integration/testenv"
+	"github.com/tidepool-dev/tidepool/localapi"
+)
+
+var (
+	buildOnce sync.Once
+	buildDir  string
+	buildErr  error
+)
+
+// Binaries builds tidepool, tidepoold and containerd-shim-tidepool-v1 from this
+// checkout once per test process and points TIDEPOOL_BIN at them, so tests never run
+// stale binaries. Cleanup removes them when the test binary's TestMain calls
+// RemoveBinaries.
+func Binaries(t testing.TB) string {
+	t.Helper()
+	buildOnce.Do(func() {
+		root, err := testenv.RepoRoot()
+		if err != nil {
+			buildErr = err
+			return
+		}
+		buildDir, err = os.MkdirTemp("", "tidepool-bin-")
+		if err != nil {
+			buildErr = err
+			return
+		}
+		cmd := exec.Command("go", "build", "-o", buildDir+"/", "./cmd/...")
+		cmd.Dir = root
+		if out, err := cmd.CombinedOutput(); err != nil {
+			buildErr = fmt.Errorf("go build ./cmd/...: %v\n%s", err, out)
+			return
+		}
+		os.Setenv("TIDEPOOL_BIN", buildDir)
+	})
+	if buildErr != nil {
+		t.Fatal(buildErr)
+	}
+	return buildDir
+}
+
+// RemoveBinaries deletes what Binaries built; call it from TestMain after m.Run.
+func RemoveBinaries() {
+	if buildDir != "" {
+		os.RemoveAll(buildDir)
+	}
+}
+
+// Options shape a stack.
+type Options struct {
+	// Containerd is passed to harness.StartContainerd; the tidepool proxy plugin is
+	// added to it.
+	Containerd harness.Options
+	// TidepooldConfig is TOML for tidepoold's --config (optional).
+	TidepooldConfig string
+}
+
+// Stack is one running Tidepool stack.
+type Stack struct {
+	Dir         string // short private directory holding the root and sockets
+	Root        string // tidepoold's root
+	SnapAddress string
+	APIAddress  string
+	Bin         string
+	Daemon      *harness.Daemon
+	C           *harness.Containerd
+}
+
+// Start starts tidepoold, then containerd configured to use it.
+func Start(t testing.TB, opts Options) *Stack {
+	t.Helper()
+	testenv.RequireRoot(t)
+	bin := Binaries(t)
+	dir, err := os.MkdirTemp("/tmp", "tps-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := &Stack{
+		Dir: dir, Root: filepath.Join(dir, "root"), Bin: bin,
+		SnapAddress: filepath.Join(dir, "snap.sock"), APIAddress: filepath.Join(dir, "api.sock"),
+	}
+	t.Cleanup(func() {
+		if left, _ := harness.MountsUnder(dir); len(left) > 0 {
+			t.Errorf("mounts left under the tidepool root: %v", left)
+			for i := len(left) - 1; i >= 0; i-- {
+				exec.Command("umount", "-l", left[i]).Run()
+			}
+		}
+		os.RemoveAll(dir)
+	})
+	args := []string{"--root", s.Root, "--address", s.SnapAddress, "--api-address", s.APIAddress,
+		"--metrics-address", "none", "--log-level", "debug"}
+	if opts.TidepooldConfig != "" {
+		cfg := filepath.Join(dir, "tidepoold.toml")
+		if err := os.WriteFile(cfg, []byte(opts.TidepooldConfig), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		args = append(args, "--config", cfg)
+	} else {
+		args = append(args, "--config", "/dev/null")
+	}
+	s.Daemon = harness.StartDaemon(t, harness.DaemonSpec{
+		Name: "tidepoold", Path: filepath.Join(bin, "tidepoold"), Args: args,
+		Env:   append(os.Environ(), "PATH="+testenv.SearchPath()),
+		Ready: func(ctx context.Context) error { return s.ping(ctx) },
+	})
+	co := opts.Containerd
+	if co.ProxyPlugins == nil {
+		co.ProxyPlugins = map[string]harness.ProxyPlugin{}
+	}
+	co.ProxyPlugins["tidepool"] = harness.ProxyPlugin{
+		Type: "snapshot", Address: s.SnapAddress,
+		Exports: map[string]string{"root": s.Root}, Capabilities: []string{"rebase"},
+	}
+	// The transfer service (ctr images import/pull) unpacks only for snapshotters it
+	// has an unpack entry for.
+	co.ExtraTOML = fmt.Sprintf(`
+[[plugins."io.containerd.transfer.v1.local".unpack_config]]
+  platform = %[1]q
+  snapshotter = "overlayfs"
+[[plugins."io.containerd.transfer.v1.local".unpack_config]]
+  platform = %[1]q
+  snapshotter = "tidepool"
+`, platforms.DefaultString()) + co.ExtraTOML
+	s.C = harness.StartContainerd(t, co)
+	return s
+}
+
+func (s *Stack) ping(ctx context.Context) error {
+	c, err := localapi.Dial(ctx, s.APIAddress, time.Second)
+	if err != nil {
+		return err
+	}
+	return c.Close()
+}
+
+// RestartDaemon stops tidepoold (SIGTERM) and starts it again on the same root.
+func (s *Stack) RestartDaemon(t testing.TB) {
+	t.Helper()
+	if err := s.Daemon.Restart(context.Background()); err != nil {
+		t.Fatalf("restart tidepoold: %v\n%s", err, s.Daemon.LogTail(40))
+	}
+}
+
+// Tidepool runs the CLI against the stack's root.
+func (s *Stack) Tidepool(args ...string) (string, error) {
+	cmd := exec.Command(filepath.Join(s.Bin, "tidepool"), append([]string{"--root", s.Root}, args...)...)
+	var stderr strings.Builder
+	cmd.Stderr = &stderr
+	out, err := cmd.Output()
+	if err != nil {
+		return string(out), fmt.Errorf("tidepool %s: %w: %s", strings.Join(args, " "), err, stderr.String())
+	}
+	return string(out), nil
+}
+
+// MustTidepool runs the CLI and fails the test on error.
+func (s *Stack) MustTidepool(t testing.TB, args ...string) string {
+	t.Helper()
+	out, err := s.Tidepool(args...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+// Ingest ingests dir and returns the root.
+func (s *Stack) Ingest(t testing.TB, dir string) string {
+	t.Helper()
+	out := strings.TrimSpace(s.MustTidepool(t, "ingest", dir))
+	lines := strings.Split(out, "\n")
+	return lines[len(lines)-1]
+}
+
+// Ctr runs ctr against the stack's containerd in its namespace.
+func (s *Stack) Ctr(args ...string) (string, error) { return s.C.Ctr(args...) }
+
+// MustCtr runs ctr and fails the test on error.
+func (s *Stack) MustCtr(t testing.TB, args ...string) string {
+	t.Helper()
+	out, err := s.C.Ctr(args...)
+	if err != nil {
+		t.Fatalf("%v\ntidepoold log:\n%s", err, s.Daemon.LogTail(30))
+	}
+	return out
+}
+
+// Forks lists the fork records through the CLI (and so through tidepoold's API).
+func (s *Stack) Forks(t testing.TB) []forks.Fork {
+	t.Helper()
+	var list []forks.Fork
+	if err := json.Unmarshal([]byte(s.MustTidepool(t, "forks", "--json")), &list); err != nil {
+		t.Fatal(err)
+	}
+	return list
+}
+
+// WaitFork polls until a fork satisfies ok (containerd removes snapshots, and so
+// commits them, in its garbage collection shortly after a container is deleted).
+func (s *Stack) WaitFork(t testing.TB, what string, ok func(forks.Fork) bool) forks.Fork {
+	t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		for _, f := range s.Forks(t) {
+			if ok(f) {
+				return f
+			}
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("no fork %s after 30s; forks: %+v\ntidepoold log:\n%s", what, s.Forks(t), s.Daemon.LogTail(40))
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
