@@ -161,14 +161,15 @@ func (b *Batch) Put(r io.Reader) (Hash, error) {
 // store lacks them, and the copy is re-hashed so a file that changes while it is read
 // is an error rather than a mislabelled object.
 func (b *Batch) PutFile(path string) (Hash, int64, error) {
+	// Errors from the file's own operations already name it.
 	f, err := os.OpenFile(path, os.O_RDONLY|unix.O_NOFOLLOW|unix.O_NOCTTY|unix.O_NONBLOCK, 0)
 	if err != nil {
-		return Hash{}, 0, fmt.Errorf("read %s: %w", path, err)
+		return Hash{}, 0, err
 	}
 	defer f.Close()
 	st, err := f.Stat()
 	if err != nil {
-		return Hash{}, 0, fmt.Errorf("read %s: %w", path, err)
+		return Hash{}, 0, err
 	}
 	if !st.Mode().IsRegular() {
 		return Hash{}, 0, fmt.Errorf("read %s: not a regular file", path)
@@ -181,7 +182,7 @@ func (b *Batch) PutFile(path string) (Hash, int64, error) {
 			if err == nil {
 				return Hash{}, 0, fmt.Errorf("read %s: file grew while it was being read", path)
 			}
-			return Hash{}, 0, fmt.Errorf("read %s: %w", path, err)
+			return Hash{}, 0, err
 		}
 		if int64(n) != size {
 			return Hash{}, 0, fmt.Errorf("read %s: file changed size while it was being read", path)
@@ -191,7 +192,7 @@ func (b *Batch) PutFile(path string) (Hash, int64, error) {
 	}
 	h, err := hashReaderAt(f, size)
 	if err != nil {
-		return Hash{}, 0, fmt.Errorf("read %s: %w", path, err)
+		return Hash{}, 0, err
 	}
 	if b.have(h) {
 		return h, size, nil

@@ -47,6 +47,9 @@ type Route struct {
 	Shim string `toml:"shim,omitempty" comment:"delegate shim binary for a shim route"`
 	// Protocol is how the delegate expects to be started.
 	Protocol string `toml:"protocol,omitempty" comment:"bootstrap (containerd >= 2.3 shims) or legacy (e.g. Kata's Go shim)"`
+	// CreateNetns makes the network namespace a spec asks for before the runtime
+	// runs, for runtimes that only join one (runsc).
+	CreateNetns bool `toml:"create_netns,omitempty" comment:"create the network namespace the spec asks for (runsc expects one to exist)"`
 	// Env is added to the delegate's environment (KATA_CONF_FILE, say).
 	Env []string `toml:"env,omitempty" comment:"extra environment for the delegate shim"`
 }
@@ -69,7 +72,7 @@ func DefaultConfig() *Config {
 		DefaultRuntime: "runc",
 		Runtimes: map[string]Route{
 			"runc":  {Kind: KindRunc},
-			"runsc": {Kind: KindRunc, BinaryName: "runsc"},
+			"runsc": {Kind: KindRunc, BinaryName: "runsc", CreateNetns: true},
 			"kata-fc": {
 				Kind: KindShim, Shim: "containerd-shim-kata-v2", Protocol: ProtocolLegacy,
 				Env: []string{"KATA_CONF_FILE=/opt/kata/share/defaults/kata-containers/configuration-fc.toml"},

@@ -86,7 +86,11 @@ func (m *Manager) Stop(ctx context.Context, id string) (shim.StopStatus, error) 
 	if err != nil && !os.IsNotExist(err) {
 		log.G(ctx).WithError(err).Warn("unreadable route record; cleaning up as runc")
 	}
-	return m.runc.Stop(ctx, id)
+	st, err := m.runc.Stop(ctx, id)
+	if cwd, cerr := os.Getwd(); cerr == nil {
+		releaseNetns(cwd)
+	}
+	return st, err
 }
 
 // Info implements shim.Shim.

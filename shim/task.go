@@ -60,6 +60,14 @@ type TaskService struct {
 
 	mu      sync.Mutex
 	clients map[string]*localapi.Client // by API address
+	bundles map[string]string           // container id -> bundle, for Delete
+}
+
+func (s *TaskService) bundle(id string) (string, bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	b, ok := s.bundles[id]
+	return b, ok
 }
 
 // RegisterTTRPC serves the wrapped service.
@@ -92,7 +100,39 @@ func (s *TaskService) Create(ctx context.Context, r *taskapi.CreateTaskRequest) 
 	if err := s.bindFork(ctx, cfg, spec, r); err != nil {
 		return nil, err
 	}
-	return s.TTRPCTaskService.Create(ctx, r)
+	if route.CreateNetns {
+		if err := ensureNetns(r.Bundle); err != nil {
+			return nil, err
+		}
+	}
+	resp, err := s.TTRPCTaskService.Create(ctx, r)
+	if err != nil {
+		if route.CreateNetns {
+			releaseNetns(r.Bundle)
+		}
+		return nil, err
+	}
+	s.mu.Lock()
+	if s.bundles == nil {
+		s.bundles = map[string]string{}
+	}
+	s.bundles[r.ID] = r.Bundle
+	s.mu.Unlock()
+	return resp, nil
+}
+
+// Delete releases what Create made for the container besides what runc made.
+func (s *TaskService) Delete(ctx context.Context, r *taskapi.DeleteRequest) (*taskapi.DeleteResponse, error) {
+	resp, err := s.TTRPCTaskService.Delete(ctx, r)
+	if err == nil && r.ExecID == "" {
+		if b, ok := s.bundle(r.ID); ok {
+			releaseNetns(b)
+			s.mu.Lock()
+			delete(s.bundles, r.ID)
+			s.mu.Unlock()
+		}
+	}
+	return resp, err
 }
 
 // runcOptions turns whatever options arrived (none, CRI's runtimeoptions, runc's own)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"sync"
 
 	"golang.org/x/sync/errgroup"
 
@@ -42,14 +43,14 @@ type fileJob struct {
 }
 
 // builder runs one ingest: a single walker goroutine decides the shape of the tree and
-// hands regular files to a bounded pool of workers that hash and stage them; trees are
+// queues regular files for a bounded pool of workers that hash and stage them; trees are
 // written afterwards, deepest first, so the result does not depend on worker timing.
 type builder struct {
 	ctx   context.Context // cancelled on the first error
 	store *casstore.Store
 	batch *casstore.Batch
 	opts  Options
-	jobs  chan fileJob
+	jobs  *jobQueue
 	c     counters
 
 	// Upper only: the base root and the prefix it sits at, for metacopy redirects.
@@ -76,14 +77,14 @@ func build(ctx context.Context, store *casstore.Store, opts Options, walk func(b
 		workers = defaultWorkers
 	}
 	g, gctx := errgroup.WithContext(ctx)
-	b := &builder{ctx: gctx, store: store, batch: batch, opts: opts, jobs: make(chan fileJob, 4*workers)}
+	b := &builder{ctx: gctx, store: store, batch: batch, opts: opts, jobs: newJobQueue()}
 	b.c.cb = opts.Progress
 	for i := 0; i < workers; i++ {
 		g.Go(b.worker)
 	}
 	var root *dirNode
 	g.Go(func() error {
-		defer close(b.jobs)
+		defer b.jobs.close()
 		var err error
 		root, err = walk(b)
 		if err == nil {
@@ -115,7 +116,11 @@ func build(ctx context.Context, store *casstore.Store, opts Options, walk func(b
 }
 
 func (b *builder) worker() error {
-	for j := range b.jobs {
+	for {
+		j, ok := b.jobs.pop()
+		if !ok {
+			return nil
+		}
 		if err := b.ctx.Err(); err != nil {
 			return err
 		}
@@ -128,19 +133,65 @@ func (b *builder) worker() error {
 		b.c.bytes.Add(size)
 		b.c.report(false)
 	}
-	return nil
 }
 
-// addFile queues a regular file for a worker; its hash lands in *dst.
-func (b *builder) addFile(path string, size int64, dst *casstore.Hash) error {
+// addFile queues a regular file for a worker; its hash lands in *dst. The queue is
+// unbounded, so the walk runs ahead of the hashing and the totals a progress bar needs
+// are known early; a queued job costs a few dozen bytes.
+func (b *builder) addFile(path string, size int64, dst *casstore.Hash) {
 	b.c.foundFiles.Add(1)
 	b.c.foundBytes.Add(size)
-	select {
-	case b.jobs <- fileJob{path: path, dst: dst}:
-		return nil
-	case <-b.ctx.Done():
-		return b.ctx.Err()
+	b.jobs.push(fileJob{path: path, dst: dst})
+}
+
+// jobQueue is an unbounded FIFO of file jobs: one producer (the walker), many
+// consumers (the workers).
+type jobQueue struct {
+	mu     sync.Mutex
+	ready  *sync.Cond
+	items  []fileJob
+	head   int
+	closed bool
+}
+
+func newJobQueue() *jobQueue {
+	q := &jobQueue{}
+	q.ready = sync.NewCond(&q.mu)
+	return q
+}
+
+func (q *jobQueue) push(j fileJob) {
+	q.mu.Lock()
+	q.items = append(q.items, j)
+	q.mu.Unlock()
+	q.ready.Signal()
+}
+
+// close tells the workers that nothing more will come; they drain what is queued.
+func (q *jobQueue) close() {
+	q.mu.Lock()
+	q.closed = true
+	q.mu.Unlock()
+	q.ready.Broadcast()
+}
+
+// pop waits for a job; ok is false once the queue is closed and empty.
+func (q *jobQueue) pop() (j fileJob, ok bool) {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	for q.head == len(q.items) && !q.closed {
+		q.ready.Wait()
 	}
+	if q.head == len(q.items) {
+		return fileJob{}, false
+	}
+	j = q.items[q.head]
+	q.items[q.head] = fileJob{}
+	q.head++
+	if q.head == len(q.items) { // drained: reuse the backing array
+		q.items, q.head = q.items[:0], 0
+	}
+	return j, true
 }
 
 // symlink stores a link's target bytes as a blob.
@@ -159,15 +210,12 @@ func (b *builder) symlink(path string) (casstore.Hash, error) {
 
 // queueFiles hands every regular-file child of n to the workers. It runs once n's
 // children slice is final, so the pointers it gives out stay valid.
-func (b *builder) queueFiles(n *dirNode) error {
+func (b *builder) queueFiles(n *dirNode) {
 	for i := range n.children {
 		if c := &n.children[i]; c.file {
-			if err := b.addFile(childPath(n.path, c.raw), c.size, &c.hash); err != nil {
-				return err
-			}
+			b.addFile(childPath(n.path, c.raw), c.size, &c.hash)
 		}
 	}
-	return nil
 }
 
 // finish writes the tree objects bottom-up and returns the root's hash.

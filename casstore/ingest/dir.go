@@ -123,9 +123,7 @@ func (b *builder) walkDir(path string) (*dirNode, error) {
 	if err := checkCollisions(path, n.children); err != nil {
 		return nil, err
 	}
-	if err := b.queueFiles(n); err != nil {
-		return nil, err
-	}
+	b.queueFiles(n)
 	for i := range n.children {
 		if c := &n.children[i]; c.walk {
 			if c.dir, err = b.walkDir(childPath(path, c.raw)); err != nil {

@@ -196,9 +196,7 @@ func (b *builder) mergeDir(path string, base casstore.Tree) (*dirNode, error) {
 	if err := checkCollisions(path, n.children); err != nil {
 		return nil, err
 	}
-	if err := b.queueFiles(n); err != nil {
-		return nil, err
-	}
+	b.queueFiles(n)
 	for i := range n.children {
 		c := &n.children[i]
 		if !c.walk {

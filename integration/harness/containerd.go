@@ -169,10 +169,19 @@ func (c *Containerd) prepare(p paths) error {
 	if err := c.saveRecord(); err != nil {
 		return err
 	}
-	for _, d := range []string{p.root, p.state, p.socketDir, p.fifoDir} {
+	// Runtimes that drop privileges inside the instance (gVisor's sandbox runs as
+	// nobody and builds its chroot under containerd's temp dir) must be able to
+	// traverse the instance directory and use its temp dir, as with /tmp.
+	if err := os.Chmod(p.dir, 0o711); err != nil {
+		return err
+	}
+	for _, d := range []string{p.root, p.state, p.socketDir, p.fifoDir, filepath.Join(p.dir, "tmp")} {
 		if err := os.MkdirAll(d, 0o711); err != nil {
 			return err
 		}
+	}
+	if err := os.Chmod(filepath.Join(p.dir, "tmp"), 0o1777); err != nil {
+		return err
 	}
 	cfg, err := renderConfig(p, c.opts)
 	if err != nil {
