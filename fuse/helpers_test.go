@@ -17,6 +17,7 @@ import (
 	"testing"
 
 	"github.com/containerd/errdefs"
+	gofuse "github.com/hanwen/go-fuse/v2/fuse"
 	"golang.org/x/sys/unix"
 
 	"github.com/tidepool-dev/tidepool/casstore"
@@ -222,6 +223,26 @@ func runAs(tb testing.TB, uid, gid uint32, name string, args ...string) (string,
 	cmd.Dir = "/"
 	out, err := cmd.CombinedOutput()
 	return string(out), err
+}
+
+// requirePassthrough fails the test if v does not use passthrough where it should:
+// the kernel offers it and the store is not on a stacked filesystem (overlayfs or
+// FUSE, where the kernel refuses backing files). Elsewhere it skips.
+func requirePassthrough(tb testing.TB, v *View, s *casstore.Store) {
+	tb.Helper()
+	if v.server.KernelSettings().Flags64()&gofuse.CAP_PASSTHROUGH == 0 {
+		tb.Skip("kernel does not offer FUSE passthrough")
+	}
+	var st unix.Statfs_t
+	if err := unix.Statfs(s.Root(), &st); err != nil {
+		tb.Fatal(err)
+	}
+	if st.Type == unix.OVERLAYFS_SUPER_MAGIC || st.Type == unix.FUSE_SUPER_MAGIC {
+		tb.Skip("store is on a stacked filesystem: passthrough cannot use it")
+	}
+	if !v.PassthroughActive() {
+		tb.Fatal("passthrough is not active although the kernel offers it and the store is on a plain filesystem")
+	}
 }
 
 // mounted reports whether dir is a mountpoint in /proc/self/mountinfo.

@@ -169,9 +169,7 @@ func TestGoTreeMatchesSource(t *testing.T) {
 
 	t.Run("passthrough", func(t *testing.T) {
 		v := mount(t, s, root, Options{UID: testUID, GID: testGID, Mtime: mtime})
-		if !v.PassthroughActive() {
-			t.Fatal("passthrough is not active on a kernel that offers it, with the store on ext4/tmpfs")
-		}
+		requirePassthrough(t, v, s)
 		files := compareTree(t, goSrc, v.Dir(), testUID, testGID, mtime)
 		st := v.Stats()
 		if files < 10000 {

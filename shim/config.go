@@ -14,8 +14,15 @@ import (
 	"google.golang.org/protobuf/types/known/anypb"
 )
 
-// DefaultConfigPath is read when the runtime options name no config.
+// DefaultConfigPath is read when neither the runtime options nor ConfigEnv name a
+// config.
 const DefaultConfigPath = "/etc/tidepool/shim.toml"
+
+// ConfigEnv names a config file through the environment containerd gives its shims
+// (a systemd drop-in, say). Prefer it, or the default path, to runtime options when a
+// route delegates to another shim: containerd hands that shim the same runtime
+// options, and a ConfigPath meant for tidepool would be read as the delegate's own.
+const ConfigEnv = "TIDEPOOL_SHIM_CONFIG"
 
 // Route kinds.
 const (
@@ -151,8 +158,8 @@ func (c *Config) RouteFor(annotations map[string]string) (string, Route, error) 
 const AnnotationRuntime = "dev.tidepool.runtime"
 
 // LoadConfig finds the configuration: the ConfigPath, else the ConfigBody, of the
-// runtime options (ctr --runtime-config-path; CRI's runtime options table); else
-// DefaultConfigPath if it exists; else the defaults.
+// runtime options (ctr --runtime-config-path; CRI's runtime options table); else the
+// file named by ConfigEnv; else DefaultConfigPath if it exists; else the defaults.
 func LoadConfig(opts *anypb.Any) (*Config, error) {
 	if opts != nil && opts.GetValue() != nil {
 		v, err := typeurl.UnmarshalAny(opts)
@@ -170,6 +177,13 @@ func LoadConfig(opts *anypb.Any) (*Config, error) {
 				}
 			}
 		}
+	}
+	if p := os.Getenv(ConfigEnv); p != "" {
+		b, err := os.ReadFile(p)
+		if err != nil {
+			return nil, fmt.Errorf("read shim config from $%s: %w", ConfigEnv, err)
+		}
+		return ParseConfig(b)
 	}
 	b, err := os.ReadFile(DefaultConfigPath)
 	if err != nil {

@@ -13,8 +13,11 @@ import (
 	"github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2/manager"
 	"github.com/containerd/containerd/v2/pkg/oci"
 	"github.com/containerd/containerd/v2/pkg/shim"
+	"github.com/containerd/errdefs"
 	"github.com/containerd/log"
 	"google.golang.org/protobuf/types/known/anypb"
+
+	"github.com/tidepool-dev/tidepool/binding"
 )
 
 // RuntimeName is the runtime type containerd resolves to containerd-shim-tidepool-v1.
@@ -59,6 +62,14 @@ func (m *Manager) Start(ctx context.Context, params *bootapi.BootstrapParams) (*
 	name, route, err := cfg.RouteFor(spec.Annotations)
 	if err != nil {
 		return nil, err
+	}
+	_, wantsFork, err := binding.Parse(spec.Annotations, binding.AnnotationKeys, binding.Defaults{})
+	if err != nil {
+		return nil, err
+	}
+	if wantsFork && route.Kind == KindShim {
+		return nil, fmt.Errorf("%s=%q hands the container to another shim, which cannot take a fork from %s; use the %s snapshot label, whose mounts reach any shim: %w",
+			AnnotationRuntime, name, binding.AnnotationFork, binding.LabelFork, errdefs.ErrNotImplemented)
 	}
 	rec := routeRecord{Name: name, Route: route}
 	if route.Kind == KindShim {

@@ -28,6 +28,9 @@ import (
 	"github.com/tidepool-dev/tidepool/localapi"
 )
 
+// criContainerType is the annotation CRI sets to "sandbox" on a pod's pause container.
+const criContainerType = "io.kubernetes.cri.container-type"
+
 // RegisterTaskPlugin registers the task service with the shim's plugin registry. It
 // takes the place of containerd's task/plugin package, which must not be imported as
 // well: two ("io.containerd.ttrpc.v1", "task") registrations panic.
@@ -166,6 +169,11 @@ func (s *TaskService) bindFork(ctx context.Context, cfg *Config, spec *specs.Spe
 	_, ok, err := binding.Parse(ann, binding.AnnotationKeys, binding.Defaults{})
 	if err != nil || !ok {
 		return err
+	}
+	if ann[criContainerType] == "sandbox" {
+		// CRI copies pod annotations to the pause container too; the fork is for the
+		// pod's app containers, which get the same annotations.
+		return nil
 	}
 	owner := ann[binding.AnnotationOwner]
 	if owner == "" && spec.Process != nil {

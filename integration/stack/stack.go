@@ -76,6 +76,9 @@ type Options struct {
 	Containerd harness.Options
 	// TidepooldConfig is TOML for tidepoold's --config (optional).
 	TidepooldConfig string
+	// Prepare, if set, adjusts the containerd options once the stack's paths (API
+	// socket, directory) are known and before containerd starts.
+	Prepare func(s *Stack, o *harness.Options)
 }
 
 // Stack is one running Tidepool stack.
@@ -128,6 +131,9 @@ func Start(t testing.TB, opts Options) *Stack {
 		Ready: func(ctx context.Context) error { return s.ping(ctx) },
 	})
 	co := opts.Containerd
+	if opts.Prepare != nil {
+		opts.Prepare(s, &co)
+	}
 	if co.ProxyPlugins == nil {
 		co.ProxyPlugins = map[string]harness.ProxyPlugin{}
 	}
