@@ -55,7 +55,7 @@ func (c *Client) fork(p *apiv1.Fork, err error) (*forks.Fork, error) {
 	if err != nil {
 		return nil, errgrpc.ToNative(err)
 	}
-	return forkFromProto(p)
+	return ForkFromProto(p)
 }
 
 // Create implements forks.Service.
@@ -80,7 +80,7 @@ func (c *Client) List(ctx context.Context) ([]*forks.Fork, error) {
 	}
 	out := make([]*forks.Fork, 0, len(r.GetForks()))
 	for _, p := range r.GetForks() {
-		f, err := forkFromProto(p)
+		f, err := ForkFromProto(p)
 		if err != nil {
 			return nil, err
 		}
@@ -112,7 +112,7 @@ func (c *Client) LiveRoots(ctx context.Context) ([]casstore.Hash, error) {
 	}
 	out := make([]casstore.Hash, 0, len(r.GetRoots()))
 	for _, s := range r.GetRoots() {
-		h, err := parseHash("live root", s)
+		h, err := ParseHash("live root", s)
 		if err != nil {
 			return nil, err
 		}

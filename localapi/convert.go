@@ -14,7 +14,8 @@ import (
 	"github.com/tidepool-dev/tidepool/casstore/forks"
 )
 
-func forkToProto(f *forks.Fork) *apiv1.Fork {
+// ForkToProto converts a fork record to its API form.
+func ForkToProto(f *forks.Fork) *apiv1.Fork {
 	p := &apiv1.Fork{
 		Id: f.ID, Label: f.Label, Base: f.Base.String(), Root: f.Root.String(),
 		Created: timestamppb.New(f.Created), Updated: timestamppb.New(f.Updated), Labels: f.Labels,
@@ -28,21 +29,22 @@ func forkToProto(f *forks.Fork) *apiv1.Fork {
 	return p
 }
 
-func forkFromProto(p *apiv1.Fork) (*forks.Fork, error) {
+// ForkFromProto converts an API fork to a record, checking its hashes.
+func ForkFromProto(p *apiv1.Fork) (*forks.Fork, error) {
 	f := &forks.Fork{ID: p.GetId(), Label: p.GetLabel(), Labels: p.GetLabels(),
 		Created: p.GetCreated().AsTime(), Updated: p.GetUpdated().AsTime()}
 	var err error
-	if f.Base, err = parseHash("base", p.GetBase()); err != nil {
+	if f.Base, err = ParseHash("base", p.GetBase()); err != nil {
 		return nil, err
 	}
-	if f.Root, err = parseHash("root", p.GetRoot()); err != nil {
+	if f.Root, err = ParseHash("root", p.GetRoot()); err != nil {
 		return nil, err
 	}
 	if p.GetTtl() != nil {
 		f.TTL = forks.Duration(p.GetTtl().AsDuration())
 	}
 	for _, r := range p.GetHistory() {
-		h, err := parseHash("history root", r.GetRoot())
+		h, err := ParseHash("history root", r.GetRoot())
 		if err != nil {
 			return nil, err
 		}
@@ -51,7 +53,8 @@ func forkFromProto(p *apiv1.Fork) (*forks.Fork, error) {
 	return f, nil
 }
 
-func parseHash(what, s string) (casstore.Hash, error) {
+// ParseHash parses a hash field, as an invalid-argument error naming it.
+func ParseHash(what, s string) (casstore.Hash, error) {
 	h, err := casstore.ParseHash(s)
 	if err != nil {
 		return h, fmt.Errorf("%s: %w: %w", what, err, errdefs.ErrInvalidArgument)
@@ -60,14 +63,16 @@ func parseHash(what, s string) (casstore.Hash, error) {
 }
 
 // parseOptionalHash reads a hash that may be left empty (meaning zero).
-func parseOptionalHash(what, s string) (casstore.Hash, error) {
+// ParseOptionalHash parses a hash field that may be empty (zero).
+func ParseOptionalHash(what, s string) (casstore.Hash, error) {
 	if s == "" {
 		return casstore.Hash{}, nil
 	}
-	return parseHash(what, s)
+	return ParseHash(what, s)
 }
 
-func mountsToProto(ms []mount.Mount) []*apiv1.Mount {
+// MountsToProto converts containerd mounts to their API form.
+func MountsToProto(ms []mount.Mount) []*apiv1.Mount {
 	out := make([]*apiv1.Mount, 0, len(ms))
 	for _, m := range ms {
 		out = append(out, &apiv1.Mount{Type: m.Type, Source: m.Source, Target: m.Target, Options: m.Options})

@@ -9,7 +9,7 @@ import (
 	"github.com/containerd/plugin/registry"
 
 	apiv1 "github.com/tidepool-dev/tidepool/api/v1"
-	"github.com/tidepool-dev/tidepool/localapi"
+	"github.com/tidepool-dev/tidepool/localapi/apiserver"
 )
 
 // CorePlugin is the plugin type of the assembled Core; its ID is "tidepool".
@@ -57,7 +57,7 @@ func init() {
 			if err != nil {
 				return nil, err
 			}
-			return &localapi.Server{
+			return &apiserver.Server{
 				Forks:       c.Forks,
 				Snapshotter: c.Snapshotter,
 				Info:        &apiv1.InfoResponse{Root: c.Config.Root, Store: c.Store.Root(), SnapshotterAddress: c.Config.Address},

@@ -23,7 +23,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"google.golang.org/grpc"
 
-	"github.com/tidepool-dev/tidepool/localapi"
+	"github.com/tidepool-dev/tidepool/localapi/apiserver"
 	"github.com/tidepool-dev/tidepool/plugin"
 )
 
@@ -35,7 +35,7 @@ const shutdownGrace = 30 * time.Second
 type components struct {
 	core        *plugin.Core
 	snapshotter snapshots.Snapshotter
-	api         *localapi.Server
+	api         *apiserver.Server
 }
 
 // loadPlugins initialises Tidepool's registrations in dependency order, exactly as
@@ -59,7 +59,7 @@ func loadPlugins(ctx context.Context, cfg *plugin.Config) (*components, error) {
 			c.core = v
 		case snapshots.Snapshotter:
 			c.snapshotter = v
-		case *localapi.Server:
+		case *apiserver.Server:
 			c.api = v
 		}
 	}

@@ -1,4 +1,6 @@
-package localapi
+// Package apiserver serves tidepoold's local API (api/v1) over the daemon's
+// components; localapi is its client.
+package apiserver
 
 import (
 	"context"
@@ -12,6 +14,7 @@ import (
 	apiv1 "github.com/tidepool-dev/tidepool/api/v1"
 	"github.com/tidepool-dev/tidepool/casstore"
 	"github.com/tidepool-dev/tidepool/casstore/forks"
+	"github.com/tidepool-dev/tidepool/localapi"
 	"github.com/tidepool-dev/tidepool/snapshotter"
 )
 
@@ -46,7 +49,7 @@ type forksServer struct {
 }
 
 func (s forksServer) Create(ctx context.Context, r *apiv1.CreateForkRequest) (*apiv1.Fork, error) {
-	base, err := parseHash("base", r.GetBase())
+	base, err := localapi.ParseHash("base", r.GetBase())
 	if err != nil {
 		return nil, errgrpc.ToGRPC(err)
 	}
@@ -58,7 +61,7 @@ func (s forksServer) Create(ctx context.Context, r *apiv1.CreateForkRequest) (*a
 	if err != nil {
 		return nil, errgrpc.ToGRPC(err)
 	}
-	return forkToProto(f), nil
+	return localapi.ForkToProto(f), nil
 }
 
 func (s forksServer) Get(ctx context.Context, r *apiv1.GetForkRequest) (*apiv1.Fork, error) {
@@ -66,7 +69,7 @@ func (s forksServer) Get(ctx context.Context, r *apiv1.GetForkRequest) (*apiv1.F
 	if err != nil {
 		return nil, errgrpc.ToGRPC(err)
 	}
-	return forkToProto(f), nil
+	return localapi.ForkToProto(f), nil
 }
 
 func (s forksServer) List(ctx context.Context, _ *apiv1.ListForksRequest) (*apiv1.ListForksResponse, error) {
@@ -76,7 +79,7 @@ func (s forksServer) List(ctx context.Context, _ *apiv1.ListForksRequest) (*apiv
 	}
 	out := &apiv1.ListForksResponse{}
 	for _, f := range list {
-		out.Forks = append(out.Forks, forkToProto(f))
+		out.Forks = append(out.Forks, localapi.ForkToProto(f))
 	}
 	return out, nil
 }
@@ -89,11 +92,11 @@ func (s forksServer) Remove(ctx context.Context, r *apiv1.RemoveForkRequest) (*e
 }
 
 func (s forksServer) Advance(ctx context.Context, r *apiv1.AdvanceForkRequest) (*apiv1.Fork, error) {
-	expect, err := parseOptionalHash("expect", r.GetExpect())
+	expect, err := localapi.ParseOptionalHash("expect", r.GetExpect())
 	if err != nil {
 		return nil, errgrpc.ToGRPC(err)
 	}
-	root, err := parseHash("root", r.GetRoot())
+	root, err := localapi.ParseHash("root", r.GetRoot())
 	if err != nil {
 		return nil, errgrpc.ToGRPC(err)
 	}
@@ -101,7 +104,7 @@ func (s forksServer) Advance(ctx context.Context, r *apiv1.AdvanceForkRequest) (
 	if err != nil {
 		return nil, errgrpc.ToGRPC(err)
 	}
-	return forkToProto(f), nil
+	return localapi.ForkToProto(f), nil
 }
 
 func (s forksServer) LiveRoots(context.Context, *apiv1.LiveRootsRequest) (*apiv1.LiveRootsResponse, error) {
@@ -123,13 +126,13 @@ type snapshotsServer struct {
 
 func (s snapshotsServer) Bind(ctx context.Context, r *apiv1.BindRequest) (*apiv1.BindResponse, error) {
 	res, err := s.Snapshotter.Bind(ctx, snapshotter.BindRequest{
-		Key: r.GetKey(), Rootfs: MountsFromProto(r.GetRootfs()),
+		Key: r.GetKey(), Rootfs: localapi.MountsFromProto(r.GetRootfs()),
 		Fork: r.GetFork(), Workdir: r.GetWorkdir(), Owner: r.GetOwner(), Discard: r.GetDiscard(),
 	})
 	if err != nil {
 		return nil, errgrpc.ToGRPC(err)
 	}
-	return &apiv1.BindResponse{Key: res.Key, ForkId: res.ForkID, Root: res.Root.String(), Mounts: mountsToProto(res.Mounts)}, nil
+	return &apiv1.BindResponse{Key: res.Key, ForkId: res.ForkID, Root: res.Root.String(), Mounts: localapi.MountsToProto(res.Mounts)}, nil
 }
 
 func (s snapshotsServer) List(ctx context.Context, _ *apiv1.ListSnapshotsRequest) (*apiv1.ListSnapshotsResponse, error) {
