@@ -54,6 +54,11 @@ $(DEPS_BIN)/.runc-$(RUNC_VERSION): .deps/.apt
 	GOBIN=$(DEPS_BIN) $(GO) install -tags seccomp github.com/opencontainers/runc@$(RUNC_VERSION)
 	@touch $@
 
+## demo: the main job end to end on an embedded default (own containerd + tidepoold
+## under a temp dir, a locally built image, the Go source tree as the fork), narrated
+demo: build
+	$(GO) test -count=1 -v -timeout 20m -run '^TestDemo$$' ./integration/demo/
+
 ## test: every test, unit and real-stack, with the race detector (root runs them all)
 test: build
 	$(GO) vet ./...

@@ -31,6 +31,9 @@ const testUID, testGID = 4242, 4343
 
 func requireRoot(tb testing.TB) {
 	tb.Helper()
+	if testing.Short() {
+		tb.Skip("mounts FUSE views and overlays: skipped with -short")
+	}
 	if os.Geteuid() != 0 {
 		tb.Skip("needs root: mounts FUSE views and overlays")
 	}

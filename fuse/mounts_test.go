@@ -107,6 +107,26 @@ func TestUnmountAndCleanup(t *testing.T) {
 		}
 	})
 
+	t.Run("a mount over the view is not taken", func(t *testing.T) {
+		v := mountAt(mk("covered"))
+		if err := unix.Mount("tmpfs", v.Dir(), "tmpfs", 0, ""); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { unix.Unmount(v.Dir(), unix.MNT_DETACH) })
+		if err := v.Unmount(); !errors.Is(err, errdefs.ErrFailedPrecondition) {
+			t.Errorf("Unmount under a tmpfs: %v, want failed precondition", err)
+		}
+		if err := unix.Unmount(v.Dir(), 0); err != nil {
+			t.Fatal(err)
+		}
+		if err := v.Unmount(); err != nil {
+			t.Fatal(err)
+		}
+		if mounted(t, v.Dir()) {
+			t.Error("still mounted")
+		}
+	})
+
 	t.Run("unmounted by someone else", func(t *testing.T) {
 		v := mountAt(mk("external"))
 		if err := UnmountDir(v.Dir()); err != nil {

@@ -278,6 +278,10 @@ func (v *View) Unmount() error {
 		return nil
 	default:
 	}
+	// unmount(2) takes whatever is mounted on top; never take someone else's mount.
+	if top, err := topMount(v.dir); err == nil && top != "" && top != FsType {
+		return fmt.Errorf("unmount view %s: %s is mounted over it: %w", v.dir, top, errdefs.ErrFailedPrecondition)
+	}
 	var err error
 	for delay := 2 * time.Millisecond; ; delay *= 2 {
 		err = unix.Unmount(v.dir, 0)

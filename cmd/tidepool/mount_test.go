@@ -43,6 +43,9 @@ type cliEnv struct {
 
 func newCLIEnv(t *testing.T) *cliEnv {
 	t.Helper()
+	if testing.Short() {
+		t.Skip("builds tidepool and mounts FUSE views: skipped with -short")
+	}
 	if os.Geteuid() != 0 {
 		t.Skip("needs root: mounts FUSE views")
 	}

@@ -1,0 +1,146 @@
+// Package demo is `make demo`: Tidepool's main job end to end on an embedded default,
+// narrated on stdout. It starts its own containerd and tidepoold under a temp dir,
+// builds a "baked" Node image (node plus a node_modules tree from the npm registry),
+// ingests a real source tree (the Go toolchain's own source), forks it, commits a
+// change, and runs containers that need both the image's dependencies and the fork's
+// source, through the snapshot-label path and through the tidepool runtime shim. It is
+// also a test: `make test` runs it quietly.
+package demo
+
+import (
+	"fmt"
+	"os"
+	"path/filepath"
+	"runtime"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/tidepool-dev/tidepool/binding"
+	"github.com/tidepool-dev/tidepool/casstore/forks"
+	"github.com/tidepool-dev/tidepool/integration/imagebuild"
+	"github.com/tidepool-dev/tidepool/integration/stack"
+	"github.com/tidepool-dev/tidepool/shim"
+)
+
+func TestMain(m *testing.M) {
+	code := m.Run()
+	stack.RemoveBinaries()
+	os.Exit(code)
+}
+
+type timing struct {
+	what string
+	took time.Duration
+}
+
+type narrator struct {
+	t       *testing.T
+	timings []timing
+}
+
+func (n *narrator) say(format string, args ...any) {
+	if testing.Verbose() {
+		fmt.Printf(format+"\n", args...)
+	}
+}
+
+// step runs fn, prints its title and how long it took, and records the timing.
+func (n *narrator) step(title string, fn func() string) string {
+	n.t.Helper()
+	start := time.Now()
+	out := fn()
+	took := time.Since(start)
+	n.timings = append(n.timings, timing{title, took})
+	n.say("\n== %s  (%s)", title, took.Round(time.Millisecond))
+	if out != "" {
+		for _, line := range strings.Split(strings.TrimRight(out, "\n"), "\n") {
+			n.say("   %s", line)
+		}
+	}
+	return out
+}
+
+// demoScript is run by node in the container: lodash comes from the image's
+// /app/node_modules (baked dependencies), the files it reads come from the fork at
+// /src (the Go source tree), and what it writes lands on the fork.
+const demoScript = `
+const _ = require('/app/node_modules/lodash');
+const fs = require('fs'), path = require('path');
+const dir = '/src/net/http';
+const files = fs.readdirSync(dir).filter(f => f.endsWith('.go'));
+const lines = _.sumBy(files, f => fs.readFileSync(path.join(dir, f), 'utf8').split('\n').length);
+const biggest = _.maxBy(files, f => fs.statSync(path.join(dir, f)).size);
+console.log('net/http: ' + files.length + ' Go files, ' + lines + ' lines; biggest ' + biggest + ' (lodash ' + _.VERSION + ' from the image)');
+fs.writeFileSync('/src/DEMO.md', 'written by a container at ' + new Date().toISOString() + '\n');
+`
+
+func TestDemo(t *testing.T) {
+	n := &narrator{t: t}
+	n.say("Tidepool demo: baked dependencies from the image, forked source from the store, in containerd.")
+	var archive imagebuild.Archive
+	n.step("build the baked image (busybox + node + node_modules from npm), cached after the first run", func() string {
+		archive = imagebuild.NodeArchive(t)
+		return "image archive " + archive.Path
+	})
+	n.step("build tidepool, tidepoold and containerd-shim-tidepool-v1 from this checkout", func() string {
+		return "binaries in " + stack.Binaries(t)
+	})
+	var s *stack.Stack
+	n.step("start a private containerd 2.4.2 and tidepoold under a temp dir", func() string {
+		s = stack.Start(t, stack.Options{})
+		s.C.ImportImage(t, archive.Path, imagebuild.NodeRef, "tidepool", "overlayfs")
+		return "containerd " + s.C.Address + "\ntidepoold  " + s.SnapAddress + " (root " + s.Root + ")"
+	})
+	src := filepath.Join(runtime.GOROOT(), "src")
+	var root string
+	n.step("ingest a real source tree: "+src, func() string {
+		root = s.Ingest(t, src)
+		return "root " + root
+	})
+	n.step("ingest it again (objects already stored: hashing only)", func() string {
+		if again := s.Ingest(t, src); again != root {
+			t.Fatalf("re-ingest gave %s, want %s", again, root)
+		}
+		return ""
+	})
+	var forkID string
+	n.step("fork it (one record: O(1) whatever the tree's size)", func() string {
+		forkID = strings.TrimSpace(s.MustTidepool(t, "fork", root, "--label", "demo"))
+		return "fork " + forkID
+	})
+	n.step("change a file through `tidepool commit` (an overlay upper dir with one edit)", func() string {
+		upper := t.TempDir()
+		os.MkdirAll(filepath.Join(upper, "fmt"), 0o755)
+		os.WriteFile(filepath.Join(upper, "fmt", "DEMO-NOTE.txt"), []byte("committed by the demo\n"), 0o644)
+		newRoot := strings.TrimSpace(s.MustTidepool(t, "commit", "--base", forkID, "--upper", upper))
+		return "new root " + newRoot + "\n" + s.MustTidepool(t, "diff", root, forkID)
+	})
+	n.step("run a container with the fork at /src (snapshot labels, runc)", func() string {
+		return s.MustCtr(t, "run", "--rm", "--fifo-dir", s.C.FIFODir, "--snapshotter", "tidepool",
+			"--snapshotter-label", binding.LabelFork+"="+forkID, "--snapshotter-label", binding.LabelWorkdir+"=/src",
+			imagebuild.NodeRef, "demo-labels", "node", "-e", demoScript)
+	})
+	f := s.WaitFork(t, "demo advanced by the container", func(f forks.Fork) bool {
+		return f.ID == forkID && strings.Contains(s.MustTidepool(t, "diff", root, f.ID), "DEMO.md")
+	})
+	n.step("the container's writes are the fork's next root", func() string {
+		return "fork " + forkID + " is at " + f.Root.String() + "\n" + s.MustTidepool(t, "diff", root, forkID)
+	})
+	n.step("the same through the runtime shim and OCI annotations (as nerdctl would)", func() string {
+		cfg := filepath.Join(t.TempDir(), "shim.toml")
+		os.WriteFile(cfg, []byte(fmt.Sprintf("api_address = %q\n", s.APIAddress)), 0o644)
+		return s.MustCtr(t, "run", "--rm", "--fifo-dir", s.C.FIFODir, "--runtime", shim.RuntimeName, "--runtime-config-path", cfg,
+			"--snapshotter", "tidepool", "--annotation", binding.AnnotationFork+"="+root, "--annotation", binding.AnnotationWorkdir+"=/src",
+			imagebuild.NodeRef, "demo-shim", "node", "-e", demoScript)
+	})
+	n.step("baseline: the same image on containerd's overlayfs snapshotter, no fork", func() string {
+		return s.MustCtr(t, "run", "--rm", "--fifo-dir", s.C.FIFODir, "--snapshotter", "overlayfs",
+			imagebuild.NodeRef, "demo-base", "node", "-e", "console.log('lodash ' + require('/app/node_modules/lodash').VERSION)")
+	})
+	n.say("\nTimings")
+	for _, tm := range n.timings {
+		n.say("  %10s  %s", tm.took.Round(time.Millisecond), tm.what)
+	}
+	s.C.LeakCheck(t)
+}
