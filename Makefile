@@ -56,11 +56,11 @@ $(DEPS_BIN)/.runc-$(RUNC_VERSION): .deps/.apt
 
 ## demo: the main job end to end on an embedded default (own containerd + tidepoold
 ## under a temp dir, a locally built image, the Go source tree as the fork), narrated
-demo: build
+demo: deps build
 	$(GO) test -count=1 -v -timeout 20m -run '^TestDemo$$' ./integration/demo/
 
 ## test: every test, unit and real-stack, with the race detector (root runs them all)
-test: build
+test: deps build
 	$(GO) vet ./...
 	$(GO) test $(GO_TEST_FLAGS) ./...
 
