@@ -54,6 +54,8 @@ func unixSync() { _ = exec.Command("sync").Run() }
 
 // BenchmarkReadGoTree reads the whole Go source tree through a view and, in the same
 // iterations, from the native filesystem; ns/op is the view, x-vs-native the ratio.
+// The modes: passthrough (the default), plain (reads through the server) and noopen
+// (Options.NoOpen: no request per open, pages cached by the view).
 func BenchmarkReadGoTree(b *testing.B) {
 	requireRoot(b)
 	s, root := goStore(b)
@@ -61,23 +63,29 @@ func BenchmarkReadGoTree(b *testing.B) {
 		name        string
 		cold        bool
 		passthrough bool
+		noOpen      bool
 	}{
-		{"warm/passthrough", false, true},
-		{"warm/plain", false, false},
-		{"cold/passthrough", true, true},
-		{"cold/plain", true, false},
+		{"warm/passthrough", false, true, false},
+		{"warm/plain", false, false, false},
+		{"warm/noopen", false, false, true},
+		{"cold/passthrough", true, true, false},
+		{"cold/plain", true, false, false},
+		{"cold/noopen", true, false, true},
 	} {
 		b.Run(c.name, func(b *testing.B) {
-			v := mount(b, s, root, Options{DisablePassthrough: !c.passthrough})
+			v := mount(b, s, root, Options{DisablePassthrough: !c.passthrough, NoOpen: c.noOpen})
 			if c.passthrough && !v.PassthroughActive() {
 				b.Skip("passthrough unavailable")
+			}
+			if c.noOpen && !v.NoOpenActive() {
+				b.Skip("kernel lacks no-open support")
 			}
 			buf := make([]byte, 256<<10)
 			size := readTree(b, goSrc, buf)
 			if got := readTree(b, v.Dir(), buf); got != size {
 				b.Fatalf("view read %d bytes, native %d", got, size)
 			}
-			reads := v.Stats().Reads.Load()
+			reads, opens := v.Stats().Reads.Load(), v.Stats().Opens.Load()
 			b.SetBytes(size)
 			var native, view time.Duration
 			b.ResetTimer()
@@ -101,6 +109,7 @@ func BenchmarkReadGoTree(b *testing.B) {
 			b.ReportMetric(float64(native.Milliseconds())/float64(b.N), "native-ms/op")
 			b.ReportMetric(view.Seconds()/native.Seconds(), "x-vs-native")
 			b.ReportMetric(float64(v.Stats().Reads.Load()-reads)/float64(b.N), "READs/op")
+			b.ReportMetric(float64(v.Stats().Opens.Load()-opens)/float64(b.N), "OPENs/op")
 		})
 	}
 }
@@ -166,8 +175,9 @@ func BenchmarkMountGoTree(b *testing.B) {
 }
 
 // BenchmarkReadLargeFiles reads 256 MiB in eight 32 MiB files through a view and
-// natively, warm: with passthrough the kernel reads the object files directly, so
-// throughput should match the native filesystem.
+// natively, warm: with passthrough the kernel reads the object files directly, and
+// with NoOpen from the view's own page cache, so throughput should match the native
+// filesystem.
 func BenchmarkReadLargeFiles(b *testing.B) {
 	requireRoot(b)
 	src := b.TempDir()
@@ -189,13 +199,16 @@ func BenchmarkReadLargeFiles(b *testing.B) {
 	}
 	s := newStore(b)
 	root := ingestTree(b, s, src)
-	for _, passthrough := range []bool{true, false} {
-		name := "passthrough"
-		if !passthrough {
-			name = "plain"
-		}
-		b.Run(name, func(b *testing.B) {
-			v := mount(b, s, root, Options{DisablePassthrough: !passthrough})
+	for _, c := range []struct {
+		name string
+		opts Options
+	}{
+		{"passthrough", Options{}},
+		{"plain", Options{DisablePassthrough: true}},
+		{"noopen", Options{NoOpen: true}},
+	} {
+		b.Run(c.name, func(b *testing.B) {
+			v := mount(b, s, root, c.opts)
 			buf := make([]byte, 256<<10)
 			size := readTree(b, src, buf)
 			readTree(b, v.Dir(), buf)

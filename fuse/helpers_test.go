@@ -180,7 +180,12 @@ func sharedDir(tb testing.TB) string {
 // mount mounts a view and unmounts it when the test ends, even on failure.
 func mount(tb testing.TB, s *casstore.Store, root casstore.Hash, opts Options) *View {
 	tb.Helper()
-	dir := sharedDir(tb)
+	return mountAt(tb, s, root, sharedDir(tb), opts)
+}
+
+// mountAt is mount at a given directory.
+func mountAt(tb testing.TB, s *casstore.Store, root casstore.Hash, dir string, opts Options) *View {
+	tb.Helper()
 	v, err := Mount(context.Background(), s, root, dir, opts)
 	if err != nil {
 		tb.Fatalf("Mount: %v", err)

@@ -195,11 +195,18 @@ func (d *dirNode) Getattr(ctx context.Context, _ gofs.FileHandle, out *gofuse.At
 }
 
 // OpendirHandle implements gofs.NodeOpendirHandler. It checks the directory can be
-// listed (and, at an unbound root, records the look), but builds the listing only
-// when the kernel reads it: tree directories never change, so the kernel caches
-// their listings and later opendirs read nothing. The root and synthesized
-// directories change once, at Bind, so theirs are not cached.
+// listed, but builds the listing only when the kernel reads it: tree directories
+// never change, so the kernel caches their listings and later opendirs read nothing.
+// The root and synthesized directories change once, at Bind, so theirs are not
+// cached. Opening the root of an unbound view is not a look at the workdir (containerd
+// opens every lower directory of a rootfs to read /etc/group, say); reading its
+// listing is, and is recorded when it happens.
 func (d *dirNode) OpendirHandle(ctx context.Context, _ uint32) (gofs.FileHandle, uint32, syscall.Errno) {
+	if d.root {
+		if _, bound := d.v.bound(false); !bound {
+			return &dirHandle{d: d, lazy: true}, 0, 0
+		}
+	}
 	var ents []child
 	if d.synthetic() || d.root {
 		var errno syscall.Errno

@@ -31,6 +31,25 @@ type Options struct {
 	// supports FUSE passthrough. Without it, passthrough is used when available and
 	// the view falls back to plain reads silently otherwise.
 	DisablePassthrough bool
+	// NoOpen turns on kernel open caching. The view answers the kernel's first OPEN
+	// of a file with ENOSYS (FUSE "no open" support), and from then on the kernel
+	// opens and closes files of this mount without asking: no OPEN, FLUSH or RELEASE
+	// requests, and the page cache of a file stays valid across opens. Reads arrive
+	// by offset and are served from the node's verified object file, opened (and
+	// hydrated) at the first read and kept like an open's. A warm open then costs
+	// no round trip to this process (tens of microseconds each, which dominates warm
+	// reads of many small files).
+	//
+	// The price: passthrough is impossible (there is no open reply to carry a
+	// backing file), so every page-cache miss is a READ through this process, and
+	// the page cache belongs to the view, not to the object file: N views of one root
+	// (N containers) cache a file N times, where passthrough views all share the
+	// object file's cache. A missing or corrupt object fails reads instead of opens,
+	// and a file whose size cannot be learnt (missing everywhere) also fails stat,
+	// since a zero size would make it read as empty. DisablePassthrough is implied.
+	// Without kernel support for no-open, the view serves opens as usual (with a
+	// warning); NoOpenActive tells which.
+	NoOpen bool
 	// EntryTimeout and AttrTimeout bound kernel caching; zero means DefaultTimeout.
 	// Negative lookups are never cached (late binding needs to see them).
 	EntryTimeout, AttrTimeout time.Duration

@@ -208,6 +208,37 @@ func TestGoTreeMatchesSource(t *testing.T) {
 			t.Errorf("no READ requests reached the server for %d files", files)
 		}
 	})
+
+	t.Run("noopen", func(t *testing.T) {
+		v := mount(t, s, root, Options{NoOpen: true, UID: testUID, GID: testGID, Mtime: mtime})
+		if !v.NoOpenActive() {
+			t.Skip("kernel lacks no-open support")
+		}
+		if v.PassthroughActive() {
+			t.Fatal("passthrough active in NoOpen mode")
+		}
+		files := compareTree(t, goSrc, v.Dir(), testUID, testGID, mtime)
+		st := v.Stats()
+		if st.Opens.Load() != 0 {
+			t.Errorf("opens = %d; the kernel should open files without asking", st.Opens.Load())
+		}
+		reads := st.Reads.Load()
+		if reads == 0 {
+			t.Fatalf("no READ requests reached the server for %d files", files)
+		}
+		// The page cache outlives the opens: a second pass reads nothing.
+		println("DBGREAD ----- second pass")
+		size := readTree(t, goSrc, make([]byte, 256<<10))
+		if got := readTree(t, v.Dir(), make([]byte, 256<<10)); got != size {
+			t.Errorf("second pass read %d bytes, want %d", got, size)
+		}
+		if got := st.Reads.Load(); got != reads {
+			t.Errorf("second pass: %d READ requests reached the server, want 0", got-reads)
+		}
+		if out, err := runAs(t, testUID, testGID, "diff", "-r", "-q", goSrc, v.Dir()); err != nil {
+			t.Errorf("diff -r as uid %d: %v\n%s", testUID, err, out)
+		}
+	})
 }
 
 func TestAttributes(t *testing.T) {

@@ -28,6 +28,7 @@ type Config struct {
 	Snapshotter SnapshotterConfig `toml:"snapshotter"`
 	Views       ViewsConfig       `toml:"views"`
 	Maintenance MaintenanceConfig `toml:"maintenance"`
+	Pools       PoolsConfig       `toml:"pools"`
 }
 
 // StoreConfig locates the object store.
@@ -57,6 +58,31 @@ type MaintenanceConfig struct {
 	GCGrace           Duration `toml:"gc_grace" comment:"Objects written or used more recently than this are never collected."`
 }
 
+// PoolsConfig configures warm pools of pre-created, frozen members.
+type PoolsConfig struct {
+	ContainerdAddress string         `toml:"containerd_address" comment:"containerd socket the pool members live in."`
+	Namespace         string         `toml:"namespace" comment:"containerd namespace of the members (visible with ctr -n)."`
+	Holder            string         `toml:"holder" comment:"tidepool-holder binary (pid 1 of members); empty: beside tidepoold."`
+	ShimConfig        string         `toml:"shim_config" comment:"tidepool shim config given to members' tasks; empty: the shim's default."`
+	Templates         []PoolTemplate `toml:"template" comment:"One [[pools.template]] per pool, e.g.\n  [[pools.template]]\n  name = 'node'\n  image = 'registry.example/agent-node:latest'\n  runtime = 'runc'\n  workdir = '/app'\n  owner = '1000:1000'\n  cpus = 1.0\n  memory_mb = 1024\n  min = 1\n  target = 4\n  max = 8\n  refill_rate = 5.0\n  max_age = '1h0m0s'"`
+}
+
+// PoolTemplate is one pool (see pool.Template).
+type PoolTemplate struct {
+	Name       string   `toml:"name" comment:"pool name, used by tidepool run --pool and the dev.tidepool.pool annotation"`
+	Image      string   `toml:"image" comment:"image reference, present in the namespace"`
+	Runtime    string   `toml:"runtime" comment:"tidepool shim route: runc (default) or runsc"`
+	Workdir    string   `toml:"workdir" comment:"where claimed forks appear (default /workspace)"`
+	Owner      string   `toml:"owner" comment:"uid:gid of the fork's files (default 0:0)"`
+	CPUs       float64  `toml:"cpus" comment:"CPU limit per member (0: none)"`
+	MemoryMB   int64    `toml:"memory_mb" comment:"memory limit per member in MiB (0: none)"`
+	Min        int      `toml:"min" comment:"never fewer idle members than this"`
+	Target     int      `toml:"target" comment:"idle members kept ready"`
+	Max        int      `toml:"max" comment:"idle plus claimed members at most (default 2*target)"`
+	RefillRate float64  `toml:"refill_rate" comment:"members started per second at most (default 5)"`
+	MaxAge     Duration `toml:"max_age" comment:"idle members older than this are recycled (default 1h)"`
+}
+
 // DefaultConfig is the configuration `tidepoold --print-default-config` prints.
 func DefaultConfig() *Config {
 	return &Config{
@@ -77,6 +103,10 @@ func DefaultConfig() *Config {
 			ForkSweepInterval: Duration(time.Minute),
 			GCInterval:        0,
 			GCGrace:           Duration(time.Hour),
+		},
+		Pools: PoolsConfig{
+			ContainerdAddress: "/run/containerd/containerd.sock",
+			Namespace:         "tidepool",
 		},
 	}
 }

@@ -10,10 +10,14 @@ import (
 
 	apiv1 "github.com/tidepool-dev/tidepool/api/v1"
 	"github.com/tidepool-dev/tidepool/localapi/apiserver"
+	"github.com/tidepool-dev/tidepool/pool"
 )
 
 // CorePlugin is the plugin type of the assembled Core; its ID is "tidepool".
 const CorePlugin cplugin.Type = "dev.tidepool.core.v1"
+
+// PoolPlugin is the plugin type of the warm-pool controller; its ID is "tidepool".
+const PoolPlugin cplugin.Type = "dev.tidepool.pool.v1"
 
 // ID is the plugin ID of every Tidepool registration, and the snapshotter's name.
 const ID = "tidepool"
@@ -49,7 +53,7 @@ func init() {
 		},
 	})
 	registry.Register(&cplugin.Registration{
-		Type:     plugins.GRPCPlugin,
+		Type:     PoolPlugin,
 		ID:       ID,
 		Requires: []cplugin.Type{CorePlugin},
 		InitFn: func(ic *cplugin.InitContext) (any, error) {
@@ -57,9 +61,31 @@ func init() {
 			if err != nil {
 				return nil, err
 			}
+			ctrl, err := newPoolController(c)
+			if err != nil {
+				return nil, err
+			}
+			ctrl.Start(ic.Context)
+			return ctrl, nil
+		},
+	})
+	registry.Register(&cplugin.Registration{
+		Type:     plugins.GRPCPlugin,
+		ID:       ID,
+		Requires: []cplugin.Type{CorePlugin, PoolPlugin},
+		InitFn: func(ic *cplugin.InitContext) (any, error) {
+			c, err := core(ic)
+			if err != nil {
+				return nil, err
+			}
+			ctrl, err := ic.GetByID(PoolPlugin, ID)
+			if err != nil {
+				return nil, err
+			}
 			return &apiserver.Server{
 				Forks:       c.Forks,
 				Snapshotter: c.Snapshotter,
+				Pools:       ctrl.(*pool.Controller),
 				Info:        &apiv1.InfoResponse{Root: c.Config.Root, Store: c.Store.Root(), SnapshotterAddress: c.Config.Address},
 			}, nil
 		},
@@ -77,5 +103,5 @@ func core(ic *cplugin.InitContext) (*Core, error) {
 // IsTidepool reports whether a registration is one of Tidepool's, so a host that links
 // other plugins can initialise just these.
 func IsTidepool(r *cplugin.Registration) bool {
-	return r.ID == ID && (r.Type == CorePlugin || r.Type == plugins.SnapshotPlugin || r.Type == plugins.GRPCPlugin)
+	return r.ID == ID && (r.Type == CorePlugin || r.Type == PoolPlugin || r.Type == plugins.SnapshotPlugin || r.Type == plugins.GRPCPlugin)
 }

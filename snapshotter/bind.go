@@ -45,7 +45,7 @@ func (s *Snapshotter) Bind(ctx context.Context, req BindRequest) (BindResult, er
 	key := req.Key
 	if key == "" {
 		var err error
-		if key, err = s.keyFromMounts(ctx, req.Rootfs); err != nil {
+		if key, err = s.KeyFromMounts(ctx, req.Rootfs); err != nil {
 			return BindResult{}, err
 		}
 	}
@@ -189,10 +189,10 @@ func (s *Snapshotter) setLabels(ctx context.Context, key string, labels map[stri
 	return err
 }
 
-// keyFromMounts recognises one of this snapshotter's active snapshots from the mounts
-// containerd handed a shim: the upper directory (or bind source) is
-// <root>/snapshots/<id>/fs.
-func (s *Snapshotter) keyFromMounts(ctx context.Context, mounts []mount.Mount) (string, error) {
+// KeyFromMounts recognises one of this snapshotter's active snapshots from the mounts
+// containerd computed for it (as a shim or a containerd client sees them): the upper
+// directory (or bind source) is <root>/snapshots/<id>/fs.
+func (s *Snapshotter) KeyFromMounts(ctx context.Context, mounts []mount.Mount) (string, error) {
 	var upper string
 	for _, m := range mounts {
 		switch m.Type {

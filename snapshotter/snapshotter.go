@@ -410,7 +410,7 @@ func (s *Snapshotter) Remove(ctx context.Context, key string) error {
 	}
 	if ok {
 		if sn.Kind == snapshots.KindActive && b.isBound() && !b.spec.Discard {
-			if err := s.commitToFork(ctx, key, sn.ID, b); err != nil {
+			if _, _, err := s.commitToFork(ctx, key, sn.ID, b); err != nil {
 				s.metrics.commitErrors.Inc()
 				return fmt.Errorf("remove %s: commit changes to fork %s: %w (the snapshot is kept; label %s=true discards it)", key, b.forkID, err, binding.LabelDiscard)
 			}
@@ -434,41 +434,71 @@ func (s *Snapshotter) Remove(ctx context.Context, key string) error {
 }
 
 // commitToFork records the upper directory's changes under the workdir as the fork's
-// next root. If the fork moved meanwhile (another container bound to the same fork
-// committed first), the result becomes a fork of its own rather than overwrite that.
-func (s *Snapshotter) commitToFork(ctx context.Context, key, id string, b bound) error {
+// next root and returns the fork that holds them. If the fork moved meanwhile
+// (another container bound to the same fork committed first), the result becomes a
+// fork of its own rather than overwrite that.
+func (s *Snapshotter) commitToFork(ctx context.Context, key, id string, b bound) (string, casstore.Hash, error) {
 	start := time.Now()
 	newRoot, err := ingest.Upper(ctx, s.store, b.base, s.upperPath(id), b.spec.Prefix(), ingest.Options{})
 	if err != nil {
-		return err
+		return "", newRoot, err
 	}
 	defer func() { s.metrics.commitSeconds.Observe(time.Since(start).Seconds()) }()
 	logger := log.G(ctx).WithField("key", key).WithField("fork", b.forkID).WithField("root", newRoot.Short())
 	if newRoot == b.base {
 		logger.Debug("no changes under the workdir; fork unchanged")
-		return nil
+		return b.forkID, newRoot, nil
 	}
 	_, err = s.forks.Advance(ctx, b.forkID, b.base, newRoot, "commit of snapshot "+key)
 	if err == nil {
 		logger.Debug("committed snapshot changes to fork")
-		return nil
+		return b.forkID, newRoot, nil
 	}
 	if !errdefs.IsFailedPrecondition(err) && !errdefs.IsNotFound(err) {
-		return err
+		return "", newRoot, err
 	}
 	if f, gerr := s.forks.Get(ctx, b.forkID); gerr == nil && f.Root == newRoot {
-		return nil // an earlier attempt got this far
+		return b.forkID, newRoot, nil // an earlier attempt got this far
 	}
 	label := key + "@" + b.forkID
 	f, cerr := s.forks.Create(ctx, forks.CreateRequest{Base: b.base, Label: label, Labels: map[string]string{"tidepool.dev/diverged-from": b.forkID, "tidepool.dev/snapshot": key}})
 	if cerr != nil {
-		return fmt.Errorf("fork %s moved and a fork for these changes could not be made: %w", b.forkID, cerr)
+		return "", newRoot, fmt.Errorf("fork %s moved and a fork for these changes could not be made: %w", b.forkID, cerr)
 	}
 	if _, err := s.forks.Advance(ctx, f.ID, b.base, newRoot, "commit of snapshot "+key); err != nil {
-		return err
+		return "", newRoot, err
 	}
 	logger.WithField("new_fork", f.ID).Warn("fork moved while the container ran; its changes went to a new fork")
-	return nil
+	return f.ID, newRoot, nil
+}
+
+// CommitNow commits an active snapshot's changes to its fork at once, instead of when
+// the snapshot is removed, and marks the snapshot so that Remove does not commit them
+// again. A warm pool uses it to answer a run with the fork's new root. A snapshot
+// without a bound fork commits nothing and returns an empty fork id.
+func (s *Snapshotter) CommitNow(ctx context.Context, key string) (string, casstore.Hash, error) {
+	s.locks.Lock(key)
+	defer s.locks.Unlock(key)
+	sn, info, err := s.get(ctx, key)
+	if err != nil {
+		return "", casstore.Hash{}, fmt.Errorf("commit %s: %w", key, err)
+	}
+	b, ok, err := s.parseBound(info)
+	if err != nil || !ok || !b.isBound() || sn.Kind != snapshots.KindActive {
+		return "", casstore.Hash{}, err
+	}
+	if b.spec.Discard {
+		return b.forkID, b.base, nil
+	}
+	forkID, root, err := s.commitToFork(ctx, key, sn.ID, b)
+	if err != nil {
+		s.metrics.commitErrors.Inc()
+		return "", root, fmt.Errorf("commit %s to fork %s: %w", key, b.forkID, err)
+	}
+	if err := s.setLabels(ctx, key, map[string]string{binding.LabelDiscard: "true"}); err != nil {
+		return forkID, root, fmt.Errorf("commit %s: mark committed: %w", key, err)
+	}
+	return forkID, root, nil
 }
 
 // Cleanup removes directories of removed snapshots (asynchronous removal).

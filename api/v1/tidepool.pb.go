@@ -1115,6 +1115,578 @@ func (x *InfoResponse) GetPid() int32 {
 	return 0
 }
 
+type RunStart struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Pool  string                 `protobuf:"bytes,1,opt,name=pool,proto3" json:"pool,omitempty"`
+	// fork is a root hash or fork id; empty runs without a fork.
+	Fork          string   `protobuf:"bytes,2,opt,name=fork,proto3" json:"fork,omitempty"`
+	Env           []string `protobuf:"bytes,3,rep,name=env,proto3" json:"env,omitempty"`
+	Workdir       string   `protobuf:"bytes,4,opt,name=workdir,proto3" json:"workdir,omitempty"`
+	Args          []string `protobuf:"bytes,5,rep,name=args,proto3" json:"args,omitempty"`
+	Discard       bool     `protobuf:"varint,6,opt,name=discard,proto3" json:"discard,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RunStart) Reset() {
+	*x = RunStart{}
+	mi := &file_tidepool_proto_msgTypes[18]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RunStart) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RunStart) ProtoMessage() {}
+
+func (x *RunStart) ProtoReflect() protoreflect.Message {
+	mi := &file_tidepool_proto_msgTypes[18]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RunStart.ProtoReflect.Descriptor instead.
+func (*RunStart) Descriptor() ([]byte, []int) {
+	return file_tidepool_proto_rawDescGZIP(), []int{18}
+}
+
+func (x *RunStart) GetPool() string {
+	if x != nil {
+		return x.Pool
+	}
+	return ""
+}
+
+func (x *RunStart) GetFork() string {
+	if x != nil {
+		return x.Fork
+	}
+	return ""
+}
+
+func (x *RunStart) GetEnv() []string {
+	if x != nil {
+		return x.Env
+	}
+	return nil
+}
+
+func (x *RunStart) GetWorkdir() string {
+	if x != nil {
+		return x.Workdir
+	}
+	return ""
+}
+
+func (x *RunStart) GetArgs() []string {
+	if x != nil {
+		return x.Args
+	}
+	return nil
+}
+
+func (x *RunStart) GetDiscard() bool {
+	if x != nil {
+		return x.Discard
+	}
+	return false
+}
+
+type RunRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Types that are valid to be assigned to Msg:
+	//
+	//	*RunRequest_Start
+	//	*RunRequest_Stdin
+	//	*RunRequest_StdinClose
+	//	*RunRequest_Signal
+	Msg           isRunRequest_Msg `protobuf_oneof:"msg"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RunRequest) Reset() {
+	*x = RunRequest{}
+	mi := &file_tidepool_proto_msgTypes[19]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RunRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RunRequest) ProtoMessage() {}
+
+func (x *RunRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_tidepool_proto_msgTypes[19]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RunRequest.ProtoReflect.Descriptor instead.
+func (*RunRequest) Descriptor() ([]byte, []int) {
+	return file_tidepool_proto_rawDescGZIP(), []int{19}
+}
+
+func (x *RunRequest) GetMsg() isRunRequest_Msg {
+	if x != nil {
+		return x.Msg
+	}
+	return nil
+}
+
+func (x *RunRequest) GetStart() *RunStart {
+	if x != nil {
+		if x, ok := x.Msg.(*RunRequest_Start); ok {
+			return x.Start
+		}
+	}
+	return nil
+}
+
+func (x *RunRequest) GetStdin() []byte {
+	if x != nil {
+		if x, ok := x.Msg.(*RunRequest_Stdin); ok {
+			return x.Stdin
+		}
+	}
+	return nil
+}
+
+func (x *RunRequest) GetStdinClose() bool {
+	if x != nil {
+		if x, ok := x.Msg.(*RunRequest_StdinClose); ok {
+			return x.StdinClose
+		}
+	}
+	return false
+}
+
+func (x *RunRequest) GetSignal() int32 {
+	if x != nil {
+		if x, ok := x.Msg.(*RunRequest_Signal); ok {
+			return x.Signal
+		}
+	}
+	return 0
+}
+
+type isRunRequest_Msg interface {
+	isRunRequest_Msg()
+}
+
+type RunRequest_Start struct {
+	Start *RunStart `protobuf:"bytes,1,opt,name=start,proto3,oneof"`
+}
+
+type RunRequest_Stdin struct {
+	Stdin []byte `protobuf:"bytes,2,opt,name=stdin,proto3,oneof"`
+}
+
+type RunRequest_StdinClose struct {
+	StdinClose bool `protobuf:"varint,3,opt,name=stdin_close,json=stdinClose,proto3,oneof"`
+}
+
+type RunRequest_Signal struct {
+	Signal int32 `protobuf:"varint,4,opt,name=signal,proto3,oneof"`
+}
+
+func (*RunRequest_Start) isRunRequest_Msg() {}
+
+func (*RunRequest_Stdin) isRunRequest_Msg() {}
+
+func (*RunRequest_StdinClose) isRunRequest_Msg() {}
+
+func (*RunRequest_Signal) isRunRequest_Msg() {}
+
+type RunExit struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// status is the workload's exit status; 128+N for a death by signal N.
+	Status int32  `protobuf:"varint,1,opt,name=status,proto3" json:"status,omitempty"`
+	Member string `protobuf:"bytes,2,opt,name=member,proto3" json:"member,omitempty"`
+	ForkId string `protobuf:"bytes,3,opt,name=fork_id,json=forkId,proto3" json:"fork_id,omitempty"`
+	Root   string `protobuf:"bytes,4,opt,name=root,proto3" json:"root,omitempty"`
+	// claim_ms is the time from the claim to the workload's start.
+	ClaimMs       float64 `protobuf:"fixed64,5,opt,name=claim_ms,json=claimMs,proto3" json:"claim_ms,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RunExit) Reset() {
+	*x = RunExit{}
+	mi := &file_tidepool_proto_msgTypes[20]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RunExit) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RunExit) ProtoMessage() {}
+
+func (x *RunExit) ProtoReflect() protoreflect.Message {
+	mi := &file_tidepool_proto_msgTypes[20]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RunExit.ProtoReflect.Descriptor instead.
+func (*RunExit) Descriptor() ([]byte, []int) {
+	return file_tidepool_proto_rawDescGZIP(), []int{20}
+}
+
+func (x *RunExit) GetStatus() int32 {
+	if x != nil {
+		return x.Status
+	}
+	return 0
+}
+
+func (x *RunExit) GetMember() string {
+	if x != nil {
+		return x.Member
+	}
+	return ""
+}
+
+func (x *RunExit) GetForkId() string {
+	if x != nil {
+		return x.ForkId
+	}
+	return ""
+}
+
+func (x *RunExit) GetRoot() string {
+	if x != nil {
+		return x.Root
+	}
+	return ""
+}
+
+func (x *RunExit) GetClaimMs() float64 {
+	if x != nil {
+		return x.ClaimMs
+	}
+	return 0
+}
+
+type RunResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Types that are valid to be assigned to Msg:
+	//
+	//	*RunResponse_Stdout
+	//	*RunResponse_Stderr
+	//	*RunResponse_Exit
+	//	*RunResponse_Started
+	Msg           isRunResponse_Msg `protobuf_oneof:"msg"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RunResponse) Reset() {
+	*x = RunResponse{}
+	mi := &file_tidepool_proto_msgTypes[21]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RunResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RunResponse) ProtoMessage() {}
+
+func (x *RunResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_tidepool_proto_msgTypes[21]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RunResponse.ProtoReflect.Descriptor instead.
+func (*RunResponse) Descriptor() ([]byte, []int) {
+	return file_tidepool_proto_rawDescGZIP(), []int{21}
+}
+
+func (x *RunResponse) GetMsg() isRunResponse_Msg {
+	if x != nil {
+		return x.Msg
+	}
+	return nil
+}
+
+func (x *RunResponse) GetStdout() []byte {
+	if x != nil {
+		if x, ok := x.Msg.(*RunResponse_Stdout); ok {
+			return x.Stdout
+		}
+	}
+	return nil
+}
+
+func (x *RunResponse) GetStderr() []byte {
+	if x != nil {
+		if x, ok := x.Msg.(*RunResponse_Stderr); ok {
+			return x.Stderr
+		}
+	}
+	return nil
+}
+
+func (x *RunResponse) GetExit() *RunExit {
+	if x != nil {
+		if x, ok := x.Msg.(*RunResponse_Exit); ok {
+			return x.Exit
+		}
+	}
+	return nil
+}
+
+func (x *RunResponse) GetStarted() string {
+	if x != nil {
+		if x, ok := x.Msg.(*RunResponse_Started); ok {
+			return x.Started
+		}
+	}
+	return ""
+}
+
+type isRunResponse_Msg interface {
+	isRunResponse_Msg()
+}
+
+type RunResponse_Stdout struct {
+	Stdout []byte `protobuf:"bytes,1,opt,name=stdout,proto3,oneof"`
+}
+
+type RunResponse_Stderr struct {
+	Stderr []byte `protobuf:"bytes,2,opt,name=stderr,proto3,oneof"`
+}
+
+type RunResponse_Exit struct {
+	Exit *RunExit `protobuf:"bytes,3,opt,name=exit,proto3,oneof"`
+}
+
+type RunResponse_Started struct {
+	// started names the member the workload runs in, once it runs.
+	Started string `protobuf:"bytes,4,opt,name=started,proto3,oneof"`
+}
+
+func (*RunResponse_Stdout) isRunResponse_Msg() {}
+
+func (*RunResponse_Stderr) isRunResponse_Msg() {}
+
+func (*RunResponse_Exit) isRunResponse_Msg() {}
+
+func (*RunResponse_Started) isRunResponse_Msg() {}
+
+type ListPoolsRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListPoolsRequest) Reset() {
+	*x = ListPoolsRequest{}
+	mi := &file_tidepool_proto_msgTypes[22]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListPoolsRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListPoolsRequest) ProtoMessage() {}
+
+func (x *ListPoolsRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_tidepool_proto_msgTypes[22]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListPoolsRequest.ProtoReflect.Descriptor instead.
+func (*ListPoolsRequest) Descriptor() ([]byte, []int) {
+	return file_tidepool_proto_rawDescGZIP(), []int{22}
+}
+
+type PoolStatus struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Name          string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	Idle          int32                  `protobuf:"varint,2,opt,name=idle,proto3" json:"idle,omitempty"`
+	Claimed       int32                  `protobuf:"varint,3,opt,name=claimed,proto3" json:"claimed,omitempty"`
+	Starting      int32                  `protobuf:"varint,4,opt,name=starting,proto3" json:"starting,omitempty"`
+	Target        int32                  `protobuf:"varint,5,opt,name=target,proto3" json:"target,omitempty"`
+	Min           int32                  `protobuf:"varint,6,opt,name=min,proto3" json:"min,omitempty"`
+	Max           int32                  `protobuf:"varint,7,opt,name=max,proto3" json:"max,omitempty"`
+	Image         string                 `protobuf:"bytes,8,opt,name=image,proto3" json:"image,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *PoolStatus) Reset() {
+	*x = PoolStatus{}
+	mi := &file_tidepool_proto_msgTypes[23]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PoolStatus) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PoolStatus) ProtoMessage() {}
+
+func (x *PoolStatus) ProtoReflect() protoreflect.Message {
+	mi := &file_tidepool_proto_msgTypes[23]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PoolStatus.ProtoReflect.Descriptor instead.
+func (*PoolStatus) Descriptor() ([]byte, []int) {
+	return file_tidepool_proto_rawDescGZIP(), []int{23}
+}
+
+func (x *PoolStatus) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *PoolStatus) GetIdle() int32 {
+	if x != nil {
+		return x.Idle
+	}
+	return 0
+}
+
+func (x *PoolStatus) GetClaimed() int32 {
+	if x != nil {
+		return x.Claimed
+	}
+	return 0
+}
+
+func (x *PoolStatus) GetStarting() int32 {
+	if x != nil {
+		return x.Starting
+	}
+	return 0
+}
+
+func (x *PoolStatus) GetTarget() int32 {
+	if x != nil {
+		return x.Target
+	}
+	return 0
+}
+
+func (x *PoolStatus) GetMin() int32 {
+	if x != nil {
+		return x.Min
+	}
+	return 0
+}
+
+func (x *PoolStatus) GetMax() int32 {
+	if x != nil {
+		return x.Max
+	}
+	return 0
+}
+
+func (x *PoolStatus) GetImage() string {
+	if x != nil {
+		return x.Image
+	}
+	return ""
+}
+
+type ListPoolsResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Pools         []*PoolStatus          `protobuf:"bytes,1,rep,name=pools,proto3" json:"pools,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListPoolsResponse) Reset() {
+	*x = ListPoolsResponse{}
+	mi := &file_tidepool_proto_msgTypes[24]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListPoolsResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListPoolsResponse) ProtoMessage() {}
+
+func (x *ListPoolsResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_tidepool_proto_msgTypes[24]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListPoolsResponse.ProtoReflect.Descriptor instead.
+func (*ListPoolsResponse) Descriptor() ([]byte, []int) {
+	return file_tidepool_proto_rawDescGZIP(), []int{24}
+}
+
+func (x *ListPoolsResponse) GetPools() []*PoolStatus {
+	if x != nil {
+		return x.Pools
+	}
+	return nil
+}
+
 var File_tidepool_proto protoreflect.FileDescriptor
 
 const file_tidepool_proto_rawDesc = "" +
@@ -1198,7 +1770,47 @@ const file_tidepool_proto_rawDesc = "" +
 	"\x04root\x18\x02 \x01(\tR\x04root\x12\x14\n" +
 	"\x05store\x18\x03 \x01(\tR\x05store\x12/\n" +
 	"\x13snapshotter_address\x18\x04 \x01(\tR\x12snapshotterAddress\x12\x10\n" +
-	"\x03pid\x18\x05 \x01(\x05R\x03pid2\xbb\x03\n" +
+	"\x03pid\x18\x05 \x01(\x05R\x03pid\"\x8c\x01\n" +
+	"\bRunStart\x12\x12\n" +
+	"\x04pool\x18\x01 \x01(\tR\x04pool\x12\x12\n" +
+	"\x04fork\x18\x02 \x01(\tR\x04fork\x12\x10\n" +
+	"\x03env\x18\x03 \x03(\tR\x03env\x12\x18\n" +
+	"\aworkdir\x18\x04 \x01(\tR\aworkdir\x12\x12\n" +
+	"\x04args\x18\x05 \x03(\tR\x04args\x12\x18\n" +
+	"\adiscard\x18\x06 \x01(\bR\adiscard\"\x9b\x01\n" +
+	"\n" +
+	"RunRequest\x121\n" +
+	"\x05start\x18\x01 \x01(\v2\x19.tidepool.api.v1.RunStartH\x00R\x05start\x12\x16\n" +
+	"\x05stdin\x18\x02 \x01(\fH\x00R\x05stdin\x12!\n" +
+	"\vstdin_close\x18\x03 \x01(\bH\x00R\n" +
+	"stdinClose\x12\x18\n" +
+	"\x06signal\x18\x04 \x01(\x05H\x00R\x06signalB\x05\n" +
+	"\x03msg\"\x81\x01\n" +
+	"\aRunExit\x12\x16\n" +
+	"\x06status\x18\x01 \x01(\x05R\x06status\x12\x16\n" +
+	"\x06member\x18\x02 \x01(\tR\x06member\x12\x17\n" +
+	"\afork_id\x18\x03 \x01(\tR\x06forkId\x12\x12\n" +
+	"\x04root\x18\x04 \x01(\tR\x04root\x12\x19\n" +
+	"\bclaim_ms\x18\x05 \x01(\x01R\aclaimMs\"\x94\x01\n" +
+	"\vRunResponse\x12\x18\n" +
+	"\x06stdout\x18\x01 \x01(\fH\x00R\x06stdout\x12\x18\n" +
+	"\x06stderr\x18\x02 \x01(\fH\x00R\x06stderr\x12.\n" +
+	"\x04exit\x18\x03 \x01(\v2\x18.tidepool.api.v1.RunExitH\x00R\x04exit\x12\x1a\n" +
+	"\astarted\x18\x04 \x01(\tH\x00R\astartedB\x05\n" +
+	"\x03msg\"\x12\n" +
+	"\x10ListPoolsRequest\"\xbc\x01\n" +
+	"\n" +
+	"PoolStatus\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\x12\x12\n" +
+	"\x04idle\x18\x02 \x01(\x05R\x04idle\x12\x18\n" +
+	"\aclaimed\x18\x03 \x01(\x05R\aclaimed\x12\x1a\n" +
+	"\bstarting\x18\x04 \x01(\x05R\bstarting\x12\x16\n" +
+	"\x06target\x18\x05 \x01(\x05R\x06target\x12\x10\n" +
+	"\x03min\x18\x06 \x01(\x05R\x03min\x12\x10\n" +
+	"\x03max\x18\a \x01(\x05R\x03max\x12\x14\n" +
+	"\x05image\x18\b \x01(\tR\x05image\"F\n" +
+	"\x11ListPoolsResponse\x121\n" +
+	"\x05pools\x18\x01 \x03(\v2\x1b.tidepool.api.v1.PoolStatusR\x05pools2\xbb\x03\n" +
 	"\x05Forks\x12C\n" +
 	"\x06Create\x12\".tidepool.api.v1.CreateForkRequest\x1a\x15.tidepool.api.v1.Fork\x12=\n" +
 	"\x03Get\x12\x1f.tidepool.api.v1.GetForkRequest\x1a\x15.tidepool.api.v1.Fork\x12M\n" +
@@ -1210,7 +1822,10 @@ const file_tidepool_proto_rawDesc = "" +
 	"\x04Bind\x12\x1c.tidepool.api.v1.BindRequest\x1a\x1d.tidepool.api.v1.BindResponse\x12U\n" +
 	"\x04List\x12%.tidepool.api.v1.ListSnapshotsRequest\x1a&.tidepool.api.v1.ListSnapshotsResponse2M\n" +
 	"\x06Daemon\x12C\n" +
-	"\x04Info\x12\x1c.tidepool.api.v1.InfoRequest\x1a\x1d.tidepool.api.v1.InfoResponseB/Z-github.com/tidepool-dev/tidepool/api/v1;apiv1b\x06proto3"
+	"\x04Info\x12\x1c.tidepool.api.v1.InfoRequest\x1a\x1d.tidepool.api.v1.InfoResponse2\x9c\x01\n" +
+	"\x05Pools\x12D\n" +
+	"\x03Run\x12\x1b.tidepool.api.v1.RunRequest\x1a\x1c.tidepool.api.v1.RunResponse(\x010\x01\x12M\n" +
+	"\x04List\x12!.tidepool.api.v1.ListPoolsRequest\x1a\".tidepool.api.v1.ListPoolsResponseB/Z-github.com/tidepool-dev/tidepool/api/v1;apiv1b\x06proto3"
 
 var (
 	file_tidepool_proto_rawDescOnce sync.Once
@@ -1224,7 +1839,7 @@ func file_tidepool_proto_rawDescGZIP() []byte {
 	return file_tidepool_proto_rawDescData
 }
 
-var file_tidepool_proto_msgTypes = make([]protoimpl.MessageInfo, 20)
+var file_tidepool_proto_msgTypes = make([]protoimpl.MessageInfo, 27)
 var file_tidepool_proto_goTypes = []any{
 	(*Fork)(nil),                  // 0: tidepool.api.v1.Fork
 	(*Revision)(nil),              // 1: tidepool.api.v1.Revision
@@ -1244,48 +1859,62 @@ var file_tidepool_proto_goTypes = []any{
 	(*ListSnapshotsResponse)(nil), // 15: tidepool.api.v1.ListSnapshotsResponse
 	(*InfoRequest)(nil),           // 16: tidepool.api.v1.InfoRequest
 	(*InfoResponse)(nil),          // 17: tidepool.api.v1.InfoResponse
-	nil,                           // 18: tidepool.api.v1.Fork.LabelsEntry
-	nil,                           // 19: tidepool.api.v1.CreateForkRequest.LabelsEntry
-	(*timestamppb.Timestamp)(nil), // 20: google.protobuf.Timestamp
-	(*durationpb.Duration)(nil),   // 21: google.protobuf.Duration
-	(*emptypb.Empty)(nil),         // 22: google.protobuf.Empty
+	(*RunStart)(nil),              // 18: tidepool.api.v1.RunStart
+	(*RunRequest)(nil),            // 19: tidepool.api.v1.RunRequest
+	(*RunExit)(nil),               // 20: tidepool.api.v1.RunExit
+	(*RunResponse)(nil),           // 21: tidepool.api.v1.RunResponse
+	(*ListPoolsRequest)(nil),      // 22: tidepool.api.v1.ListPoolsRequest
+	(*PoolStatus)(nil),            // 23: tidepool.api.v1.PoolStatus
+	(*ListPoolsResponse)(nil),     // 24: tidepool.api.v1.ListPoolsResponse
+	nil,                           // 25: tidepool.api.v1.Fork.LabelsEntry
+	nil,                           // 26: tidepool.api.v1.CreateForkRequest.LabelsEntry
+	(*timestamppb.Timestamp)(nil), // 27: google.protobuf.Timestamp
+	(*durationpb.Duration)(nil),   // 28: google.protobuf.Duration
+	(*emptypb.Empty)(nil),         // 29: google.protobuf.Empty
 }
 var file_tidepool_proto_depIdxs = []int32{
-	20, // 0: tidepool.api.v1.Fork.created:type_name -> google.protobuf.Timestamp
-	20, // 1: tidepool.api.v1.Fork.updated:type_name -> google.protobuf.Timestamp
-	21, // 2: tidepool.api.v1.Fork.ttl:type_name -> google.protobuf.Duration
-	18, // 3: tidepool.api.v1.Fork.labels:type_name -> tidepool.api.v1.Fork.LabelsEntry
+	27, // 0: tidepool.api.v1.Fork.created:type_name -> google.protobuf.Timestamp
+	27, // 1: tidepool.api.v1.Fork.updated:type_name -> google.protobuf.Timestamp
+	28, // 2: tidepool.api.v1.Fork.ttl:type_name -> google.protobuf.Duration
+	25, // 3: tidepool.api.v1.Fork.labels:type_name -> tidepool.api.v1.Fork.LabelsEntry
 	1,  // 4: tidepool.api.v1.Fork.history:type_name -> tidepool.api.v1.Revision
-	20, // 5: tidepool.api.v1.Revision.time:type_name -> google.protobuf.Timestamp
-	21, // 6: tidepool.api.v1.CreateForkRequest.ttl:type_name -> google.protobuf.Duration
-	19, // 7: tidepool.api.v1.CreateForkRequest.labels:type_name -> tidepool.api.v1.CreateForkRequest.LabelsEntry
+	27, // 5: tidepool.api.v1.Revision.time:type_name -> google.protobuf.Timestamp
+	28, // 6: tidepool.api.v1.CreateForkRequest.ttl:type_name -> google.protobuf.Duration
+	26, // 7: tidepool.api.v1.CreateForkRequest.labels:type_name -> tidepool.api.v1.CreateForkRequest.LabelsEntry
 	0,  // 8: tidepool.api.v1.ListForksResponse.forks:type_name -> tidepool.api.v1.Fork
 	10, // 9: tidepool.api.v1.BindRequest.rootfs:type_name -> tidepool.api.v1.Mount
 	10, // 10: tidepool.api.v1.BindResponse.mounts:type_name -> tidepool.api.v1.Mount
 	14, // 11: tidepool.api.v1.ListSnapshotsResponse.snapshots:type_name -> tidepool.api.v1.Snapshot
-	2,  // 12: tidepool.api.v1.Forks.Create:input_type -> tidepool.api.v1.CreateForkRequest
-	3,  // 13: tidepool.api.v1.Forks.Get:input_type -> tidepool.api.v1.GetForkRequest
-	4,  // 14: tidepool.api.v1.Forks.List:input_type -> tidepool.api.v1.ListForksRequest
-	6,  // 15: tidepool.api.v1.Forks.Remove:input_type -> tidepool.api.v1.RemoveForkRequest
-	7,  // 16: tidepool.api.v1.Forks.Advance:input_type -> tidepool.api.v1.AdvanceForkRequest
-	8,  // 17: tidepool.api.v1.Forks.LiveRoots:input_type -> tidepool.api.v1.LiveRootsRequest
-	11, // 18: tidepool.api.v1.Snapshots.Bind:input_type -> tidepool.api.v1.BindRequest
-	13, // 19: tidepool.api.v1.Snapshots.List:input_type -> tidepool.api.v1.ListSnapshotsRequest
-	16, // 20: tidepool.api.v1.Daemon.Info:input_type -> tidepool.api.v1.InfoRequest
-	0,  // 21: tidepool.api.v1.Forks.Create:output_type -> tidepool.api.v1.Fork
-	0,  // 22: tidepool.api.v1.Forks.Get:output_type -> tidepool.api.v1.Fork
-	5,  // 23: tidepool.api.v1.Forks.List:output_type -> tidepool.api.v1.ListForksResponse
-	22, // 24: tidepool.api.v1.Forks.Remove:output_type -> google.protobuf.Empty
-	0,  // 25: tidepool.api.v1.Forks.Advance:output_type -> tidepool.api.v1.Fork
-	9,  // 26: tidepool.api.v1.Forks.LiveRoots:output_type -> tidepool.api.v1.LiveRootsResponse
-	12, // 27: tidepool.api.v1.Snapshots.Bind:output_type -> tidepool.api.v1.BindResponse
-	15, // 28: tidepool.api.v1.Snapshots.List:output_type -> tidepool.api.v1.ListSnapshotsResponse
-	17, // 29: tidepool.api.v1.Daemon.Info:output_type -> tidepool.api.v1.InfoResponse
-	21, // [21:30] is the sub-list for method output_type
-	12, // [12:21] is the sub-list for method input_type
-	12, // [12:12] is the sub-list for extension type_name
-	12, // [12:12] is the sub-list for extension extendee
-	0,  // [0:12] is the sub-list for field type_name
+	18, // 12: tidepool.api.v1.RunRequest.start:type_name -> tidepool.api.v1.RunStart
+	20, // 13: tidepool.api.v1.RunResponse.exit:type_name -> tidepool.api.v1.RunExit
+	23, // 14: tidepool.api.v1.ListPoolsResponse.pools:type_name -> tidepool.api.v1.PoolStatus
+	2,  // 15: tidepool.api.v1.Forks.Create:input_type -> tidepool.api.v1.CreateForkRequest
+	3,  // 16: tidepool.api.v1.Forks.Get:input_type -> tidepool.api.v1.GetForkRequest
+	4,  // 17: tidepool.api.v1.Forks.List:input_type -> tidepool.api.v1.ListForksRequest
+	6,  // 18: tidepool.api.v1.Forks.Remove:input_type -> tidepool.api.v1.RemoveForkRequest
+	7,  // 19: tidepool.api.v1.Forks.Advance:input_type -> tidepool.api.v1.AdvanceForkRequest
+	8,  // 20: tidepool.api.v1.Forks.LiveRoots:input_type -> tidepool.api.v1.LiveRootsRequest
+	11, // 21: tidepool.api.v1.Snapshots.Bind:input_type -> tidepool.api.v1.BindRequest
+	13, // 22: tidepool.api.v1.Snapshots.List:input_type -> tidepool.api.v1.ListSnapshotsRequest
+	16, // 23: tidepool.api.v1.Daemon.Info:input_type -> tidepool.api.v1.InfoRequest
+	19, // 24: tidepool.api.v1.Pools.Run:input_type -> tidepool.api.v1.RunRequest
+	22, // 25: tidepool.api.v1.Pools.List:input_type -> tidepool.api.v1.ListPoolsRequest
+	0,  // 26: tidepool.api.v1.Forks.Create:output_type -> tidepool.api.v1.Fork
+	0,  // 27: tidepool.api.v1.Forks.Get:output_type -> tidepool.api.v1.Fork
+	5,  // 28: tidepool.api.v1.Forks.List:output_type -> tidepool.api.v1.ListForksResponse
+	29, // 29: tidepool.api.v1.Forks.Remove:output_type -> google.protobuf.Empty
+	0,  // 30: tidepool.api.v1.Forks.Advance:output_type -> tidepool.api.v1.Fork
+	9,  // 31: tidepool.api.v1.Forks.LiveRoots:output_type -> tidepool.api.v1.LiveRootsResponse
+	12, // 32: tidepool.api.v1.Snapshots.Bind:output_type -> tidepool.api.v1.BindResponse
+	15, // 33: tidepool.api.v1.Snapshots.List:output_type -> tidepool.api.v1.ListSnapshotsResponse
+	17, // 34: tidepool.api.v1.Daemon.Info:output_type -> tidepool.api.v1.InfoResponse
+	21, // 35: tidepool.api.v1.Pools.Run:output_type -> tidepool.api.v1.RunResponse
+	24, // 36: tidepool.api.v1.Pools.List:output_type -> tidepool.api.v1.ListPoolsResponse
+	26, // [26:37] is the sub-list for method output_type
+	15, // [15:26] is the sub-list for method input_type
+	15, // [15:15] is the sub-list for extension type_name
+	15, // [15:15] is the sub-list for extension extendee
+	0,  // [0:15] is the sub-list for field type_name
 }
 
 func init() { file_tidepool_proto_init() }
@@ -1293,15 +1922,27 @@ func file_tidepool_proto_init() {
 	if File_tidepool_proto != nil {
 		return
 	}
+	file_tidepool_proto_msgTypes[19].OneofWrappers = []any{
+		(*RunRequest_Start)(nil),
+		(*RunRequest_Stdin)(nil),
+		(*RunRequest_StdinClose)(nil),
+		(*RunRequest_Signal)(nil),
+	}
+	file_tidepool_proto_msgTypes[21].OneofWrappers = []any{
+		(*RunResponse_Stdout)(nil),
+		(*RunResponse_Stderr)(nil),
+		(*RunResponse_Exit)(nil),
+		(*RunResponse_Started)(nil),
+	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_tidepool_proto_rawDesc), len(file_tidepool_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   20,
+			NumMessages:   27,
 			NumExtensions: 0,
-			NumServices:   3,
+			NumServices:   4,
 		},
 		GoTypes:           file_tidepool_proto_goTypes,
 		DependencyIndexes: file_tidepool_proto_depIdxs,

@@ -574,3 +574,150 @@ var Daemon_ServiceDesc = grpc.ServiceDesc{
 	Streams:  []grpc.StreamDesc{},
 	Metadata: "tidepool.proto",
 }
+
+const (
+	Pools_Run_FullMethodName  = "/tidepool.api.v1.Pools/Run"
+	Pools_List_FullMethodName = "/tidepool.api.v1.Pools/List"
+)
+
+// PoolsClient is the client API for Pools service.
+//
+// For semantics around ctx use and closing/ending streaming RPCs, please refer to https://pkg.go.dev/google.golang.org/grpc/?tab=doc#ClientConn.NewStream.
+//
+// Pools runs workloads in warm pool members: pre-created, frozen containers that take
+// their source fork, command and environment at claim time.
+type PoolsClient interface {
+	// Run claims a member and runs a command in it. The first request carries
+	// RunStart; later ones carry stdin or signals. Responses stream stdout and stderr
+	// and end with the exit.
+	Run(ctx context.Context, opts ...grpc.CallOption) (grpc.BidiStreamingClient[RunRequest, RunResponse], error)
+	List(ctx context.Context, in *ListPoolsRequest, opts ...grpc.CallOption) (*ListPoolsResponse, error)
+}
+
+type poolsClient struct {
+	cc grpc.ClientConnInterface
+}
+
+func NewPoolsClient(cc grpc.ClientConnInterface) PoolsClient {
+	return &poolsClient{cc}
+}
+
+func (c *poolsClient) Run(ctx context.Context, opts ...grpc.CallOption) (grpc.BidiStreamingClient[RunRequest, RunResponse], error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	stream, err := c.cc.NewStream(ctx, &Pools_ServiceDesc.Streams[0], Pools_Run_FullMethodName, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	x := &grpc.GenericClientStream[RunRequest, RunResponse]{ClientStream: stream}
+	return x, nil
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type Pools_RunClient = grpc.BidiStreamingClient[RunRequest, RunResponse]
+
+func (c *poolsClient) List(ctx context.Context, in *ListPoolsRequest, opts ...grpc.CallOption) (*ListPoolsResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(ListPoolsResponse)
+	err := c.cc.Invoke(ctx, Pools_List_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+// PoolsServer is the server API for Pools service.
+// All implementations must embed UnimplementedPoolsServer
+// for forward compatibility.
+//
+// Pools runs workloads in warm pool members: pre-created, frozen containers that take
+// their source fork, command and environment at claim time.
+type PoolsServer interface {
+	// Run claims a member and runs a command in it. The first request carries
+	// RunStart; later ones carry stdin or signals. Responses stream stdout and stderr
+	// and end with the exit.
+	Run(grpc.BidiStreamingServer[RunRequest, RunResponse]) error
+	List(context.Context, *ListPoolsRequest) (*ListPoolsResponse, error)
+	mustEmbedUnimplementedPoolsServer()
+}
+
+// UnimplementedPoolsServer must be embedded to have
+// forward compatible implementations.
+//
+// NOTE: this should be embedded by value instead of pointer to avoid a nil
+// pointer dereference when methods are called.
+type UnimplementedPoolsServer struct{}
+
+func (UnimplementedPoolsServer) Run(grpc.BidiStreamingServer[RunRequest, RunResponse]) error {
+	return status.Error(codes.Unimplemented, "method Run not implemented")
+}
+func (UnimplementedPoolsServer) List(context.Context, *ListPoolsRequest) (*ListPoolsResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method List not implemented")
+}
+func (UnimplementedPoolsServer) mustEmbedUnimplementedPoolsServer() {}
+func (UnimplementedPoolsServer) testEmbeddedByValue()               {}
+
+// UnsafePoolsServer may be embedded to opt out of forward compatibility for this service.
+// Use of this interface is not recommended, as added methods to PoolsServer will
+// result in compilation errors.
+type UnsafePoolsServer interface {
+	mustEmbedUnimplementedPoolsServer()
+}
+
+func RegisterPoolsServer(s grpc.ServiceRegistrar, srv PoolsServer) {
+	// If the following call panics, it indicates UnimplementedPoolsServer was
+	// embedded by pointer and is nil.  This will cause panics if an
+	// unimplemented method is ever invoked, so we test this at initialization
+	// time to prevent it from happening at runtime later due to I/O.
+	if t, ok := srv.(interface{ testEmbeddedByValue() }); ok {
+		t.testEmbeddedByValue()
+	}
+	s.RegisterService(&Pools_ServiceDesc, srv)
+}
+
+func _Pools_Run_Handler(srv interface{}, stream grpc.ServerStream) error {
+	return srv.(PoolsServer).Run(&grpc.GenericServerStream[RunRequest, RunResponse]{ServerStream: stream})
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type Pools_RunServer = grpc.BidiStreamingServer[RunRequest, RunResponse]
+
+func _Pools_List_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(ListPoolsRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(PoolsServer).List(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Pools_List_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(PoolsServer).List(ctx, req.(*ListPoolsRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+// Pools_ServiceDesc is the grpc.ServiceDesc for Pools service.
+// It's only intended for direct use with grpc.RegisterService,
+// and not to be introspected or modified (even as a copy)
+var Pools_ServiceDesc = grpc.ServiceDesc{
+	ServiceName: "tidepool.api.v1.Pools",
+	HandlerType: (*PoolsServer)(nil),
+	Methods: []grpc.MethodDesc{
+		{
+			MethodName: "List",
+			Handler:    _Pools_List_Handler,
+		},
+	},
+	Streams: []grpc.StreamDesc{
+		{
+			StreamName:    "Run",
+			Handler:       _Pools_Run_Handler,
+			ServerStreams: true,
+			ClientStreams: true,
+		},
+	},
+	Metadata: "tidepool.proto",
+}

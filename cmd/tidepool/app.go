@@ -152,6 +152,24 @@ func (a *app) dialDaemon(ctx context.Context) (*localapi.Client, error) {
 	return c, nil
 }
 
+// daemon returns a client of the tidepoold owning this root; commands that only a
+// daemon can serve (pools) use it.
+func (a *app) daemon(ctx context.Context) (*localapi.Client, error) {
+	if a.api != nil {
+		return a.api, nil
+	}
+	c, err := a.dialDaemon(ctx)
+	if err != nil {
+		return nil, err
+	}
+	if c == nil {
+		return nil, fmt.Errorf("no tidepoold runs for root %s (or pass --api-address)", a.root)
+	}
+	a.api = c
+	a.closers = append(a.closers, c.Close)
+	return c, nil
+}
+
 // liveRoots lists the roots garbage collection must keep, from whoever owns the
 // fork database.
 func (a *app) liveRoots(ctx context.Context) ([]casstore.Hash, error) {

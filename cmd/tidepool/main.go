@@ -6,6 +6,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"os/signal"
@@ -16,7 +17,11 @@ func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	err := newRootCommand().ExecuteContext(ctx)
 	stop()
-	if err != nil {
+	var exit exitError
+	switch {
+	case errors.As(err, &exit):
+		os.Exit(exit.status)
+	case err != nil:
 		fmt.Fprintf(os.Stderr, "tidepool: %v\n", err)
 		os.Exit(1)
 	}

@@ -25,6 +25,7 @@ import (
 
 	"github.com/tidepool-dev/tidepool/localapi/apiserver"
 	"github.com/tidepool-dev/tidepool/plugin"
+	"github.com/tidepool-dev/tidepool/pool"
 )
 
 // shutdownGrace bounds how long in-flight RPCs (a commit on Remove, say) may run after
@@ -36,6 +37,7 @@ type components struct {
 	core        *plugin.Core
 	snapshotter snapshots.Snapshotter
 	api         *apiserver.Server
+	pools       *pool.Controller
 }
 
 // loadPlugins initialises Tidepool's registrations in dependency order, exactly as
@@ -61,9 +63,11 @@ func loadPlugins(ctx context.Context, cfg *plugin.Config) (*components, error) {
 			c.snapshotter = v
 		case *apiserver.Server:
 			c.api = v
+		case *pool.Controller:
+			c.pools = v
 		}
 	}
-	if c.core == nil || c.snapshotter == nil || c.api == nil {
+	if c.core == nil || c.snapshotter == nil || c.api == nil || c.pools == nil {
 		return &c, errors.New("tidepool plugins are not all registered")
 	}
 	return &c, nil
@@ -76,6 +80,9 @@ func serve(ctx context.Context, cfg *plugin.Config) (retErr error) {
 	c, err := loadPlugins(ctx, cfg)
 	if c != nil && c.core != nil {
 		defer func() {
+			if c.pools != nil {
+				c.pools.Stop()
+			}
 			if err := c.core.Close(); err != nil && retErr == nil {
 				retErr = err
 			}
@@ -89,6 +96,7 @@ func serve(ctx context.Context, cfg *plugin.Config) (retErr error) {
 	rpc := newRPCMetrics()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}), rpc)
 	reg.MustRegister(c.core.Collectors()...)
+	reg.MustRegister(c.pools.Metrics())
 
 	snapSrv := grpc.NewServer(grpc.ChainUnaryInterceptor(rpc.unary("snapshots")))
 	snapshotsapi.RegisterSnapshotsServer(snapSrv, snapshotservice.FromSnapshotter(c.snapshotter))

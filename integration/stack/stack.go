@@ -74,8 +74,9 @@ type Options struct {
 	// Containerd is passed to harness.StartContainerd; the tidepool proxy plugin is
 	// added to it.
 	Containerd harness.Options
-	// TidepooldConfig is TOML for tidepoold's --config (optional).
-	TidepooldConfig string
+	// TidepooldConfig, if set, returns TOML for tidepoold's --config; it is called
+	// once containerd runs, so it can name containerd's address and namespace.
+	TidepooldConfig func(s *Stack) string
 	// Prepare, if set, adjusts the containerd options once the stack's paths (API
 	// socket, directory) are known and before containerd starts.
 	Prepare func(s *Stack, o *harness.Options)
@@ -114,21 +115,20 @@ func Start(t testing.TB, opts Options) *Stack {
 		}
 		os.RemoveAll(dir)
 	})
-	args := []string{"--root", s.Root, "--address", s.SnapAddress, "--api-address", s.APIAddress,
-		"--metrics-address", "none", "--log-level", "debug"}
-	if opts.TidepooldConfig != "" {
-		cfg := filepath.Join(dir, "tidepoold.toml")
-		if err := os.WriteFile(cfg, []byte(opts.TidepooldConfig), 0o644); err != nil {
-			t.Fatal(err)
+	// Containerd is torn down before tidepoold (cleanups run last-registered first):
+	// containers and their rootfs mounts go first, then the views under them.
+	var daemon *harness.Daemon
+	t.Cleanup(func() {
+		if daemon == nil {
+			return
 		}
-		args = append(args, "--config", cfg)
-	} else {
-		args = append(args, "--config", "/dev/null")
-	}
-	s.Daemon = harness.StartDaemon(t, harness.DaemonSpec{
-		Name: "tidepoold", Path: filepath.Join(bin, "tidepoold"), Args: args,
-		Env:   append(os.Environ(), "PATH="+testenv.SearchPath()),
-		Ready: func(ctx context.Context) error { return s.ping(ctx) },
+		if t.Failed() {
+			t.Logf("last lines of tidepoold:\n%s", daemon.LogTail(60))
+		}
+		if err := daemon.Stop(); err != nil {
+			t.Errorf("stop tidepoold: %v\n%s", err, daemon.LogTail(30))
+		}
+		daemon.Close()
 	})
 	co := opts.Containerd
 	if opts.Prepare != nil {
@@ -143,7 +143,11 @@ func Start(t testing.TB, opts Options) *Stack {
 	}
 	// The transfer service (ctr images import/pull) unpacks only for snapshotters it
 	// has an unpack entry for.
+	// A deletion triggers garbage collection at once (as contrib's config does), so a
+	// removed container's fork advances promptly however busy the machine is.
 	co.ExtraTOML = fmt.Sprintf(`
+[plugins."io.containerd.gc.v1.scheduler"]
+  deletion_threshold = 1
 [[plugins."io.containerd.transfer.v1.local".unpack_config]]
   platform = %[1]q
   snapshotter = "overlayfs"
@@ -152,6 +156,28 @@ func Start(t testing.TB, opts Options) *Stack {
   snapshotter = "tidepool"
 `, platforms.DefaultString()) + co.ExtraTOML
 	s.C = harness.StartContainerd(t, co)
+
+	args := []string{"--root", s.Root, "--address", s.SnapAddress, "--api-address", s.APIAddress,
+		"--metrics-address", "none", "--log-level", "debug"}
+	cfg := ""
+	if opts.TidepooldConfig != nil {
+		cfg = opts.TidepooldConfig(s)
+	}
+	cfgPath := filepath.Join(dir, "tidepoold.toml")
+	if err := os.WriteFile(cfgPath, []byte(cfg), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	args = append(args, "--config", cfgPath)
+	daemon = harness.NewDaemon(harness.DaemonSpec{
+		Name: "tidepoold", Path: filepath.Join(bin, "tidepoold"), Args: args,
+		Env:     append(os.Environ(), "PATH="+testenv.SearchPath()),
+		LogPath: filepath.Join(dir, "tidepoold.log"),
+		Ready:   func(ctx context.Context) error { return s.ping(ctx) },
+	})
+	if err := daemon.Start(context.Background()); err != nil {
+		t.Fatalf("start tidepoold: %v\n%s", err, daemon.LogTail(30))
+	}
+	s.Daemon = daemon
 	return s
 }
 
@@ -228,7 +254,7 @@ func (s *Stack) Forks(t testing.TB) []forks.Fork {
 // commits them, in its garbage collection shortly after a container is deleted).
 func (s *Stack) WaitFork(t testing.TB, what string, ok func(forks.Fork) bool) forks.Fork {
 	t.Helper()
-	deadline := time.Now().Add(30 * time.Second)
+	deadline := time.Now().Add(60 * time.Second)
 	for {
 		for _, f := range s.Forks(t) {
 			if ok(f) {
@@ -236,7 +262,7 @@ func (s *Stack) WaitFork(t testing.TB, what string, ok func(forks.Fork) bool) fo
 			}
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("no fork %s after 30s; forks: %+v\ntidepoold log:\n%s", what, s.Forks(t), s.Daemon.LogTail(40))
+			t.Fatalf("no fork %s after 60s; forks: %+v\ntidepoold log:\n%s", what, s.Forks(t), s.Daemon.LogTail(40))
 		}
 		time.Sleep(50 * time.Millisecond)
 	}

@@ -15,6 +15,7 @@ import (
 	"github.com/tidepool-dev/tidepool/casstore"
 	"github.com/tidepool-dev/tidepool/casstore/forks"
 	"github.com/tidepool-dev/tidepool/localapi"
+	"github.com/tidepool-dev/tidepool/pool"
 	"github.com/tidepool-dev/tidepool/snapshotter"
 )
 
@@ -31,7 +32,9 @@ type Roots interface {
 type Server struct {
 	Forks       Roots
 	Snapshotter *snapshotter.Snapshotter
-	Info        *apiv1.InfoResponse
+	// Pools serves warm-pool claims; nil when pools are not in use.
+	Pools *pool.Controller
+	Info  *apiv1.InfoResponse
 }
 
 // Register adds every service to g. It also makes Server a containerd gRPC plugin
@@ -40,6 +43,7 @@ func (s *Server) Register(g *grpc.Server) error {
 	apiv1.RegisterForksServer(g, forksServer{Server: s})
 	apiv1.RegisterSnapshotsServer(g, snapshotsServer{Server: s})
 	apiv1.RegisterDaemonServer(g, daemonServer{Server: s})
+	apiv1.RegisterPoolsServer(g, poolsServer{Server: s})
 	return nil
 }
 

@@ -1,0 +1,179 @@
+// Command tidepool-holder is pid 1 of a warm-pool member: it waits, using no CPU
+// (the member is frozen), until tidepoold hands it a workload over its control socket,
+// then becomes that workload with execve, so the workload is the container's init
+// process with the task's pid, and its exit status is the task's.
+//
+// It is a static binary without the net package (it must run in any image), and it
+// touches nothing outside its control directory before the request: a member whose
+// workdir was looked up before its fork was bound must not be used.
+package main
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"syscall"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/tidepool-dev/tidepool/pool/holder"
+)
+
+func main() {
+	dir := holder.ControlDir
+	if len(os.Args) > 1 {
+		dir = os.Args[1]
+	}
+	req, fds, err := receive(dir)
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "tidepool-holder: %v\n", err)
+		os.Exit(125)
+	}
+	os.Exit(become(req, fds))
+}
+
+// receive listens on the control socket, marks the holder ready and takes the one
+// request it will ever serve.
+func receive(dir string) (holder.ExecRequest, []int, error) {
+	sock := filepath.Join(dir, holder.ControlName)
+	os.Remove(sock)
+	lfd, err := unix.Socket(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return holder.ExecRequest{}, nil, err
+	}
+	if err := unix.Bind(lfd, &unix.SockaddrUnix{Name: sock}); err != nil {
+		return holder.ExecRequest{}, nil, fmt.Errorf("bind %s: %w", sock, err)
+	}
+	if err := unix.Listen(lfd, 4); err != nil {
+		return holder.ExecRequest{}, nil, err
+	}
+	if err := os.WriteFile(filepath.Join(dir, holder.ReadyName), nil, 0o644); err != nil {
+		return holder.ExecRequest{}, nil, err
+	}
+	for {
+		cfd, _, err := unix.Accept4(lfd, unix.SOCK_CLOEXEC)
+		if errors.Is(err, unix.EINTR) {
+			continue
+		}
+		if err != nil {
+			return holder.ExecRequest{}, nil, fmt.Errorf("accept: %w", err)
+		}
+		req, fds, err := read(cfd)
+		unix.Close(cfd)
+		if err != nil {
+			// A client that went away mid-message (a daemon restart) is not the end.
+			fmt.Fprintf(os.Stderr, "tidepool-holder: %v\n", err)
+			continue
+		}
+		unix.Close(lfd)
+		os.Remove(sock)
+		return req, fds, nil
+	}
+}
+
+// read takes one length-prefixed request and the descriptors sent with it.
+func read(fd int) (holder.ExecRequest, []int, error) {
+	var req holder.ExecRequest
+	buf := make([]byte, 1<<20+4)
+	oob := make([]byte, unix.CmsgSpace(3*4))
+	got := 0
+	var fds []int
+	for got < 4 || got < 4+msgLen(buf) {
+		n, oobn, _, _, err := unix.Recvmsg(fd, buf[got:], oob, unix.MSG_CMSG_CLOEXEC)
+		if errors.Is(err, unix.EINTR) {
+			continue
+		}
+		if err != nil {
+			return req, nil, fmt.Errorf("read request: %w", err)
+		}
+		if oobn > 0 {
+			msgs, err := unix.ParseSocketControlMessage(oob[:oobn])
+			if err != nil {
+				return req, nil, err
+			}
+			for _, m := range msgs {
+				rights, err := unix.ParseUnixRights(&m)
+				if err == nil {
+					fds = append(fds, rights...)
+				}
+			}
+		}
+		if n == 0 {
+			return req, nil, errors.New("request cut short")
+		}
+		got += n
+		if got >= 4 && msgLen(buf) > len(buf)-4 {
+			return req, nil, errors.New("request too large")
+		}
+	}
+	if err := json.Unmarshal(buf[4:4+msgLen(buf)], &req); err != nil {
+		return req, nil, fmt.Errorf("decode request: %w", err)
+	}
+	if req.Fds && len(fds) != 3 {
+		return req, nil, fmt.Errorf("request carries %d descriptors, want 3", len(fds))
+	}
+	return req, fds, nil
+}
+
+func msgLen(b []byte) int { return int(b[0])<<24 | int(b[1])<<16 | int(b[2])<<8 | int(b[3]) }
+
+// become turns this process into the workload. It returns only on failure, with the
+// exit status a shell would give: 127 not found, 126 not executable.
+func become(req holder.ExecRequest, fds []int) int {
+	if req.Fds {
+		for i, fd := range fds {
+			if err := unix.Dup3(fd, i, 0); err != nil {
+				fmt.Fprintf(os.Stderr, "tidepool-holder: stdio: %v\n", err)
+				return 125
+			}
+		}
+	}
+	if len(req.Args) == 0 {
+		fmt.Fprintln(os.Stderr, "tidepool-holder: no command")
+		return 125
+	}
+	if req.Cwd != "" {
+		if err := os.Chdir(req.Cwd); err != nil {
+			fmt.Fprintf(os.Stderr, "tidepool-holder: chdir: %v\n", err)
+			return 125
+		}
+	}
+	path, err := lookPath(req.Args[0], req.Env)
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "tidepool-holder: %s: %v\n", req.Args[0], err)
+		return 127
+	}
+	err = syscall.Exec(path, req.Args, req.Env)
+	fmt.Fprintf(os.Stderr, "tidepool-holder: exec %s: %v\n", path, err)
+	if errors.Is(err, unix.ENOENT) {
+		return 127
+	}
+	return 126
+}
+
+// lookPath resolves a command as runc does for a container's process: a name with a
+// slash is used as is, anything else is searched in the workload's PATH.
+func lookPath(name string, env []string) (string, error) {
+	if strings.Contains(name, "/") {
+		return name, nil
+	}
+	path := "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+	for _, kv := range env {
+		if v, ok := strings.CutPrefix(kv, "PATH="); ok {
+			path = v
+		}
+	}
+	for _, dir := range filepath.SplitList(path) {
+		if dir == "" {
+			dir = "."
+		}
+		p := filepath.Join(dir, name)
+		if st, err := os.Stat(p); err == nil && st.Mode().IsRegular() && st.Mode()&0o111 != 0 {
+			return p, nil
+		}
+	}
+	return "", errors.New("command not found")
+}

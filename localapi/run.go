@@ -1,0 +1,108 @@
+package localapi
+
+import (
+	"context"
+	"errors"
+	"io"
+	"os"
+	"syscall"
+
+	"github.com/containerd/errdefs/pkg/errgrpc"
+
+	apiv1 "github.com/tidepool-dev/tidepool/api/v1"
+)
+
+// RunStreams connect a pool run to its caller. Stdin may be nil (no input).
+type RunStreams struct {
+	Stdin          io.Reader
+	Stdout, Stderr io.Writer
+	Signals        <-chan os.Signal
+}
+
+// Run claims a member of a pool and runs a command in it, relaying stdio and signals,
+// until the workload exits.
+func (c *Client) Run(ctx context.Context, start *apiv1.RunStart, s RunStreams) (*apiv1.RunExit, error) {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	stream, err := apiv1.NewPoolsClient(c.conn).Run(ctx)
+	if err != nil {
+		return nil, errgrpc.ToNative(err)
+	}
+	if err := stream.Send(&apiv1.RunRequest{Msg: &apiv1.RunRequest_Start{Start: start}}); err != nil {
+		return nil, errgrpc.ToNative(err)
+	}
+	sendErr := make(chan error, 1)
+	msgs := make(chan *apiv1.RunRequest)
+	go func() { // the one goroutine that sends after the start
+		for m := range msgs {
+			if err := stream.Send(m); err != nil {
+				sendErr <- err
+				return
+			}
+		}
+	}()
+	if s.Stdin != nil {
+		go func() {
+			buf := make([]byte, 32<<10)
+			for {
+				n, err := s.Stdin.Read(buf)
+				if n > 0 {
+					select {
+					case msgs <- &apiv1.RunRequest{Msg: &apiv1.RunRequest_Stdin{Stdin: append([]byte(nil), buf[:n]...)}}:
+					case <-ctx.Done():
+						return
+					}
+				}
+				if err != nil {
+					select {
+					case msgs <- &apiv1.RunRequest{Msg: &apiv1.RunRequest_StdinClose{StdinClose: true}}:
+					case <-ctx.Done():
+					}
+					return
+				}
+			}
+		}()
+	}
+	go func() {
+		for {
+			select {
+			case sig := <-s.Signals:
+				if n, ok := sig.(syscall.Signal); ok {
+					select {
+					case msgs <- &apiv1.RunRequest{Msg: &apiv1.RunRequest_Signal{Signal: int32(n)}}:
+					case <-ctx.Done():
+						return
+					}
+				}
+			case <-ctx.Done():
+				return
+			}
+		}
+	}()
+	for {
+		resp, err := stream.Recv()
+		if err != nil {
+			if errors.Is(err, io.EOF) {
+				return nil, errors.New("tidepoold ended the run without an exit status")
+			}
+			return nil, errgrpc.ToNative(err)
+		}
+		switch m := resp.Msg.(type) {
+		case *apiv1.RunResponse_Stdout:
+			s.Stdout.Write(m.Stdout)
+		case *apiv1.RunResponse_Stderr:
+			s.Stderr.Write(m.Stderr)
+		case *apiv1.RunResponse_Exit:
+			return m.Exit, nil
+		}
+	}
+}
+
+// ListPools reports the daemon's pools.
+func (c *Client) ListPools(ctx context.Context) ([]*apiv1.PoolStatus, error) {
+	r, err := apiv1.NewPoolsClient(c.conn).List(ctx, &apiv1.ListPoolsRequest{})
+	if err != nil {
+		return nil, errgrpc.ToNative(err)
+	}
+	return r.GetPools(), nil
+}

@@ -1,0 +1,392 @@
+package pool
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strconv"
+	"sync"
+	"syscall"
+	"time"
+
+	runtimeoptions "github.com/containerd/containerd/api/types/runtimeoptions/v1"
+	containerd "github.com/containerd/containerd/v2/client"
+	"github.com/containerd/containerd/v2/core/snapshots"
+	"github.com/containerd/containerd/v2/pkg/cio"
+	"github.com/containerd/containerd/v2/pkg/oci"
+	"github.com/containerd/errdefs"
+	"github.com/containerd/log"
+	specs "github.com/opencontainers/runtime-spec/specs-go"
+
+	"github.com/tidepool-dev/tidepool/binding"
+	"github.com/tidepool-dev/tidepool/pool/holder"
+	"github.com/tidepool-dev/tidepool/shim"
+)
+
+// Member is one pre-created container of a pool.
+type Member struct {
+	id        string
+	pool      *Pool
+	created   time.Time
+	dir       string // control directory on the host
+	snapKey   string // the tidepool snapshotter's key of its rootfs
+	env       []string
+	container containerd.Container
+	task      containerd.Task
+}
+
+// Pool is one template's members.
+type Pool struct {
+	t Template
+	c *Controller
+
+	mu       sync.Mutex
+	idle     []*Member // oldest first
+	claimed  int
+	starting int
+	changed  chan struct{} // signalled when members come or go
+	lastFill time.Time
+	retryAt  time.Time     // no new member before this, after a failure
+	backoff  time.Duration // doubles on consecutive failures
+}
+
+func newPool(c *Controller, t Template) *Pool {
+	return &Pool{t: t, c: c, changed: make(chan struct{}, 1)}
+}
+
+func (p *Pool) poke() {
+	select {
+	case p.changed <- struct{}{}:
+	default:
+	}
+}
+
+func (p *Pool) updateGauges() {
+	p.mu.Lock()
+	idle, claimed, starting := len(p.idle), p.claimed, p.starting
+	var oldest float64
+	if idle > 0 {
+		oldest = time.Since(p.idle[0].created).Seconds()
+	}
+	p.mu.Unlock()
+	m := p.c.metrics
+	m.members.WithLabelValues(p.t.Name, "idle").Set(float64(idle))
+	m.members.WithLabelValues(p.t.Name, "claimed").Set(float64(claimed))
+	m.members.WithLabelValues(p.t.Name, "starting").Set(float64(starting))
+	m.oldestIdle.WithLabelValues(p.t.Name).Set(oldest)
+}
+
+// maintain keeps the pool at target: it starts members (at most RefillRate a second,
+// a few at a time) and recycles members older than MaxAge.
+func (p *Pool) maintain(ctx context.Context) {
+	tick := time.NewTicker(time.Second)
+	defer tick.Stop()
+	for {
+		p.recycle(ctx)
+		for p.needMember() {
+			wait := time.Until(p.lastFill.Add(time.Duration(float64(time.Second) / p.t.RefillRate)))
+			if wait > 0 {
+				select {
+				case <-ctx.Done():
+					return
+				case <-time.After(wait):
+				}
+			}
+			p.mu.Lock()
+			p.starting++
+			p.lastFill = time.Now()
+			p.mu.Unlock()
+			go p.fill(ctx)
+		}
+		p.updateGauges()
+		select {
+		case <-ctx.Done():
+			return
+		case <-p.changed:
+		case <-tick.C:
+		}
+	}
+}
+
+// needMember reports whether one more member should start now: below target, with at
+// most two starting at once, and never above max.
+func (p *Pool) needMember() bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	have := len(p.idle) + p.starting
+	return have < p.t.Target && p.starting < 2 && have+p.claimed < p.t.Max && !time.Now().Before(p.retryAt)
+}
+
+func (p *Pool) fill(ctx context.Context) {
+	m, err := p.create(ctx)
+	p.mu.Lock()
+	p.starting--
+	if err == nil {
+		p.idle = append(p.idle, m)
+		p.backoff = 0
+	} else {
+		// Do not spin on a persistent failure (an image not pulled yet, say).
+		p.backoff = min(max(2*p.backoff, 500*time.Millisecond), 30*time.Second)
+		p.retryAt = time.Now().Add(p.backoff)
+	}
+	p.mu.Unlock()
+	if err != nil && ctx.Err() == nil {
+		log.G(ctx).WithError(err).WithField("pool", p.t.Name).Warn("pools: could not start a member")
+	}
+	p.updateGauges()
+	p.poke()
+}
+
+func (p *Pool) recycle(ctx context.Context) {
+	p.mu.Lock()
+	var old []*Member
+	keep := p.idle[:0]
+	for _, m := range p.idle {
+		if time.Since(m.created) > p.t.MaxAge {
+			old = append(old, m)
+		} else {
+			keep = append(keep, m)
+		}
+	}
+	p.idle = keep
+	p.mu.Unlock()
+	for _, m := range old {
+		p.discard(ctx, m, "max_age")
+	}
+}
+
+// take removes the oldest idle member, waiting (and asking for a refill) while the
+// pool is empty.
+func (p *Pool) take(ctx context.Context) (*Member, error) {
+	for {
+		p.mu.Lock()
+		if len(p.idle) > 0 {
+			m := p.idle[0]
+			p.idle = p.idle[1:]
+			p.claimed++
+			p.mu.Unlock()
+			p.poke()
+			return m, nil
+		}
+		p.mu.Unlock()
+		p.poke()
+		select {
+		case <-ctx.Done():
+			return nil, fmt.Errorf("pool %q: %w while waiting for a member: %w", p.t.Name, errNoMember, ctx.Err())
+		case <-time.After(5 * time.Millisecond):
+		}
+	}
+}
+
+// release forgets a claimed member once it is finished.
+func (p *Pool) release() {
+	p.mu.Lock()
+	p.claimed--
+	p.mu.Unlock()
+	p.updateGauges()
+	p.poke()
+}
+
+func newMemberID(pool string) string {
+	var b [6]byte
+	rand.Read(b[:])
+	return pool + "-" + hex.EncodeToString(b[:])
+}
+
+// create starts one member: container, late-bound snapshot, task through the tidepool
+// shim with the holder as pid 1; frozen once the holder listens.
+func (p *Pool) create(ctx context.Context) (_ *Member, retErr error) {
+	c := p.c
+	cl := c.containerd()
+	id := newMemberID(p.t.Name)
+	m := &Member{id: id, pool: p, created: time.Now(), dir: filepath.Join(c.cfg.StateDir, id)}
+	defer func() {
+		if retErr != nil {
+			p.destroy(context.WithoutCancel(ctx), m)
+		}
+	}()
+	if err := os.Mkdir(m.dir, 0o777); err != nil {
+		return nil, err
+	}
+	os.Chmod(m.dir, 0o777) // the holder may run as any user of the image
+	image, err := cl.GetImage(ctx, p.t.Image)
+	if err != nil {
+		return nil, fmt.Errorf("pool image %s: %w", p.t.Image, err)
+	}
+	if ok, err := image.IsUnpacked(ctx, c.cfg.Snapshotter); err != nil || !ok {
+		if err := image.Unpack(ctx, c.cfg.Snapshotter); err != nil {
+			return nil, fmt.Errorf("unpack %s for %s: %w", p.t.Image, c.cfg.Snapshotter, err)
+		}
+	}
+	specOpts := []oci.SpecOpts{
+		oci.WithImageConfig(image),
+		// The holder must not look the workdir up before the fork is bound, so it
+		// starts in /; the workload's cwd comes with the claim.
+		oci.WithProcessArgs(holder.HolderPath, holder.ControlDir),
+		oci.WithProcessCwd("/"),
+		oci.WithMounts([]specs.Mount{
+			{Destination: holder.HolderPath, Type: "bind", Source: c.cfg.Holder, Options: []string{"rbind", "ro"}},
+			{Destination: holder.ControlDir, Type: "bind", Source: m.dir, Options: []string{"rbind", "rw"}},
+		}),
+		oci.WithAnnotations(p.t.annotations(id)),
+	}
+	if p.t.Memory > 0 {
+		specOpts = append(specOpts, oci.WithMemoryLimit(uint64(p.t.Memory)))
+	}
+	if p.t.CPUs > 0 {
+		const period = 100000
+		specOpts = append(specOpts, oci.WithCPUCFS(int64(p.t.CPUs*period), period))
+	}
+	var rtOpts any
+	if c.cfg.ShimConfig != "" {
+		rtOpts = &runtimeoptions.Options{ConfigPath: c.cfg.ShimConfig}
+	}
+	ctr, err := cl.NewContainer(ctx, id,
+		containerd.WithImage(image),
+		containerd.WithSnapshotter(c.cfg.Snapshotter),
+		containerd.WithNewSnapshot(id, image, snapshots.WithLabels(map[string]string{
+			binding.LabelLateBind: "true", binding.LabelWorkdir: p.t.Workdir, binding.LabelOwner: p.t.Owner,
+		})),
+		containerd.WithRuntime(shim.RuntimeName, rtOpts),
+		containerd.WithNewSpec(specOpts...),
+		containerd.WithContainerLabels(map[string]string{
+			LabelPool: p.t.Name, LabelMember: id, LabelState: stateIdle,
+			LabelCreated: strconv.FormatInt(m.created.Unix(), 10),
+		}),
+	)
+	if err != nil {
+		return nil, fmt.Errorf("create member container: %w", err)
+	}
+	m.container = ctr
+	if err := m.describe(ctx); err != nil {
+		return nil, err
+	}
+	task, err := ctr.NewTask(ctx, cio.NullIO)
+	if err != nil {
+		return nil, fmt.Errorf("create member task: %w", err)
+	}
+	m.task = task
+	if err := task.Start(ctx); err != nil {
+		return nil, fmt.Errorf("start member task: %w", err)
+	}
+	if err := holder.WaitReady(m.dir, 30*time.Second); err != nil {
+		return nil, err
+	}
+	if err := task.Pause(ctx); err != nil {
+		return nil, fmt.Errorf("freeze member: %w", err)
+	}
+	return m, nil
+}
+
+// describe fills what a claim needs from the member's container: its snapshot key in
+// the tidepool snapshotter and its environment.
+func (m *Member) describe(ctx context.Context) error {
+	c := m.pool.c
+	info, err := m.container.Info(ctx)
+	if err != nil {
+		return err
+	}
+	mounts, err := c.containerd().SnapshotService(c.cfg.Snapshotter).Mounts(ctx, info.SnapshotKey)
+	if err != nil {
+		return fmt.Errorf("member rootfs mounts: %w", err)
+	}
+	if m.snapKey, err = c.sn.KeyFromMounts(ctx, mounts); err != nil {
+		return err
+	}
+	spec, err := m.container.Spec(ctx)
+	if err != nil {
+		return err
+	}
+	if spec.Process != nil {
+		m.env = spec.Process.Env
+	}
+	return nil
+}
+
+// adopt takes over a member a previous tidepoold left: its task must still be there,
+// and an idle one must be frozen with its holder listening, and young enough.
+func (p *Pool) adopt(ctx context.Context, ctr containerd.Container, labels map[string]string) (*Member, error) {
+	created, _ := strconv.ParseInt(labels[LabelCreated], 10, 64)
+	m := &Member{id: ctr.ID(), pool: p, created: time.Unix(created, 0), dir: filepath.Join(p.c.cfg.StateDir, ctr.ID()), container: ctr}
+	task, err := ctr.Task(ctx, nil)
+	if err != nil {
+		return nil, fmt.Errorf("no task: %w", err)
+	}
+	m.task = task
+	if labels[LabelState] == stateIdle {
+		st, err := task.Status(ctx)
+		if err != nil || st.Status != containerd.Paused {
+			return nil, fmt.Errorf("idle member is %q, not paused (%v)", st.Status, err)
+		}
+		if _, err := os.Stat(filepath.Join(m.dir, holder.ReadyName)); err != nil {
+			return nil, fmt.Errorf("holder not ready: %w", err)
+		}
+		if time.Since(m.created) > p.t.MaxAge {
+			return nil, fmt.Errorf("older than %s", p.t.MaxAge)
+		}
+	}
+	if err := m.describe(ctx); err != nil {
+		return nil, err
+	}
+	return m, nil
+}
+
+// discard destroys a member that never ran a workload and counts why.
+func (p *Pool) discard(ctx context.Context, m *Member, reason string) {
+	p.c.metrics.discarded.WithLabelValues(p.t.Name, reason).Inc()
+	p.destroy(ctx, m)
+}
+
+// destroy removes a member: task, container, snapshot (its changes, if any, were
+// committed or are deliberately thrown away) and control directory.
+func (p *Pool) destroy(ctx context.Context, m *Member) {
+	ctx = context.WithoutCancel(ctx)
+	if m.task != nil {
+		killAndDelete(ctx, m.task)
+	}
+	if m.container != nil {
+		if err := m.container.Delete(ctx, containerd.WithSnapshotCleanup); err != nil && !errdefs.IsNotFound(err) {
+			log.G(ctx).WithError(err).WithField("member", m.id).Warn("pools: cannot delete member container")
+		}
+	}
+	os.RemoveAll(m.dir)
+}
+
+// killAndDelete ends a task in any state. A frozen task is thawed after the kill so
+// the signal is delivered.
+func killAndDelete(ctx context.Context, task containerd.Task) {
+	wait, werr := task.Wait(ctx)
+	if err := task.Kill(ctx, syscall.SIGKILL, containerd.WithKillAll); err == nil {
+		task.Resume(ctx)
+		if werr == nil {
+			select {
+			case <-wait:
+			case <-time.After(10 * time.Second):
+			}
+		}
+	}
+	if _, err := task.Delete(ctx, containerd.WithProcessKill); err != nil && !errdefs.IsNotFound(err) {
+		log.G(ctx).WithError(err).WithField("task", task.ID()).Warn("pools: cannot delete member task")
+	}
+}
+
+// finishOrphan waits for the workload of a member whose client went away (a daemon
+// restart), commits its changes to the fork and destroys it.
+func (p *Pool) finishOrphan(ctx context.Context, m *Member) {
+	defer p.release()
+	wait, err := m.task.Wait(ctx)
+	if err == nil {
+		select {
+		case <-wait:
+		case <-ctx.Done():
+			return // the next start adopts it again
+		}
+	}
+	if _, _, err := p.c.sn.CommitNow(ctx, m.snapKey); err != nil {
+		log.G(ctx).WithError(err).WithField("member", m.id).Warn("pools: cannot commit an orphaned member; its snapshot commits when removed")
+	}
+	p.destroy(ctx, m)
+}

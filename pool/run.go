@@ -1,0 +1,248 @@
+package pool
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"os"
+	"path"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	containerd "github.com/containerd/containerd/v2/client"
+	"github.com/containerd/errdefs"
+	"github.com/containerd/log"
+
+	"github.com/tidepool-dev/tidepool/casstore"
+	"github.com/tidepool-dev/tidepool/pool/holder"
+	"github.com/tidepool-dev/tidepool/snapshotter"
+)
+
+// RunSpec is an explicit claim: which pool, which fork, and the workload.
+type RunSpec struct {
+	Pool    string
+	Fork    string // root hash, fork id or label; "" for none
+	Env     []string
+	Workdir string // the workload's working directory; "" means the pool's workdir
+	Args    []string
+	Discard bool // do not commit the workload's changes
+}
+
+// RunIO connects the workload to its caller.
+type RunIO struct {
+	Stdin          io.Reader // nil: /dev/null
+	Stdout, Stderr io.Writer
+	Signals        <-chan syscall.Signal
+	// Started, if set, is called once the workload runs, with the member's id.
+	Started func(member string)
+}
+
+// RunResult is how the workload ended and where its changes went.
+type RunResult struct {
+	Status       int // exit status; 128+N after a death by signal N
+	Member       string
+	ForkID       string
+	Root         casstore.Hash
+	ClaimLatency time.Duration
+}
+
+// claimAttempts bounds how many tainted members one claim may throw away.
+const claimAttempts = 3
+
+// Run claims a member, binds the fork, hands the holder the workload with stdio
+// descriptors, thaws the member, relays stdio until the workload exits, commits its
+// changes to the fork and destroys the member.
+func (c *Controller) Run(ctx context.Context, spec RunSpec, rio RunIO) (RunResult, error) {
+	var res RunResult
+	p, err := c.pool(spec.Pool)
+	if err != nil {
+		return res, err
+	}
+	if len(spec.Args) == 0 {
+		return res, fmt.Errorf("run: no command: %w", errdefs.ErrInvalidArgument)
+	}
+	cwd := p.t.Workdir
+	if spec.Workdir != "" {
+		if !path.IsAbs(spec.Workdir) {
+			return res, fmt.Errorf("run: workdir %q must be absolute: %w", spec.Workdir, errdefs.ErrInvalidArgument)
+		}
+		cwd = path.Clean(spec.Workdir)
+	}
+	for _, kv := range spec.Env {
+		if k, _, ok := strings.Cut(kv, "="); !ok || k == "" {
+			return res, fmt.Errorf("run: environment entry %q is not KEY=VALUE: %w", kv, errdefs.ErrInvalidArgument)
+		}
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	if err := c.waitReady(ctx); err != nil {
+		return res, err
+	}
+	start := time.Now()
+	m, err := c.claim(ctx, p, spec)
+	if err != nil {
+		return res, err
+	}
+	defer p.release()
+	res.Member = m.id
+
+	stdio, parent, err := pipes(rio.Stdin != nil)
+	if err != nil {
+		p.destroy(ctx, m)
+		return res, err
+	}
+	defer closeAll(parent)
+	wait, err := m.task.Wait(context.WithoutCancel(ctx))
+	if err == nil {
+		err = holder.SendExec(filepath.Join(m.dir, holder.ControlName), holder.ExecRequest{
+			Args: spec.Args, Env: mergeEnv(m.env, spec.Env), Cwd: cwd, Fds: true,
+		}, stdio)
+	}
+	closeAll(stdio)
+	if err == nil {
+		err = m.task.Resume(ctx)
+	}
+	if err != nil {
+		p.destroy(ctx, m)
+		return res, fmt.Errorf("run in member %s: %w", m.id, err)
+	}
+	res.ClaimLatency = time.Since(start)
+	c.metrics.claimSeconds.WithLabelValues(p.t.Name).Observe(res.ClaimLatency.Seconds())
+	c.metrics.ageAtClaim.WithLabelValues(p.t.Name).Observe(start.Sub(m.created).Seconds())
+	go m.container.SetLabels(context.WithoutCancel(ctx), map[string]string{LabelState: stateClaimed})
+	if rio.Started != nil {
+		rio.Started(m.id)
+	}
+
+	var copies sync.WaitGroup
+	relay := func(w io.Writer, r *os.File) {
+		defer copies.Done()
+		if w == nil {
+			w = io.Discard
+		}
+		io.Copy(w, r)
+	}
+	copies.Add(2)
+	go relay(rio.Stdout, parent[1])
+	go relay(rio.Stderr, parent[2])
+	if rio.Stdin != nil {
+		go func() {
+			io.Copy(parent[0], rio.Stdin)
+			parent[0].Close()
+		}()
+	}
+	var status containerd.ExitStatus
+	for done := false; !done; {
+		select {
+		case status = <-wait:
+			done = true
+		case sig := <-rio.Signals:
+			if err := m.task.Kill(ctx, sig); err != nil {
+				log.G(ctx).WithError(err).WithField("member", m.id).Debug("pools: forwarding a signal failed")
+			}
+		case <-ctx.Done():
+			// The caller is gone: the workload goes too, but what it wrote so far is
+			// still committed below.
+			m.task.Kill(context.WithoutCancel(ctx), syscall.SIGKILL, containerd.WithKillAll)
+			status = <-wait
+			done = true
+		}
+	}
+	copies.Wait()
+	res.Status = int(status.ExitCode())
+	bg := context.WithoutCancel(ctx)
+	if !spec.Discard {
+		res.ForkID, res.Root, err = c.sn.CommitNow(bg, m.snapKey)
+		if err != nil {
+			log.G(ctx).WithError(err).WithField("member", m.id).Warn("pools: commit failed; the snapshot commits when containerd removes it")
+		}
+	}
+	go p.destroy(bg, m)
+	return res, err
+}
+
+// claim takes an idle member and binds the fork to its view. A member whose workdir
+// was looked up before binding is discarded and another taken.
+func (c *Controller) claim(ctx context.Context, p *Pool, spec RunSpec) (*Member, error) {
+	for attempt := 0; ; attempt++ {
+		m, err := p.take(ctx)
+		if err != nil {
+			return nil, err
+		}
+		if spec.Fork == "" {
+			return m, nil
+		}
+		_, err = c.sn.Bind(ctx, snapshotter.BindRequest{Key: m.snapKey, Fork: spec.Fork, Discard: spec.Discard})
+		if err == nil {
+			return m, nil
+		}
+		p.release()
+		if errdefs.IsFailedPrecondition(err) && attempt+1 < claimAttempts {
+			log.G(ctx).WithError(err).WithField("member", m.id).Warn("pools: discarding a tainted member")
+			go p.discard(context.WithoutCancel(ctx), m, "tainted")
+			continue
+		}
+		// Nothing ran in it, but a member a request touched never goes back.
+		go p.discard(context.WithoutCancel(ctx), m, "bind_failed")
+		return nil, fmt.Errorf("bind fork %q: %w", spec.Fork, err)
+	}
+}
+
+// pipes makes the workload's stdio: child ends for the holder, parent ends for us.
+func pipes(stdin bool) (child, parent []*os.File, err error) {
+	child, parent = make([]*os.File, 3), make([]*os.File, 3)
+	if stdin {
+		if parent[0], child[0], err = reversePipe(); err != nil {
+			return nil, nil, err
+		}
+	} else {
+		if child[0], err = os.Open(os.DevNull); err != nil {
+			return nil, nil, err
+		}
+	}
+	for i := 1; i < 3; i++ {
+		r, w, err := os.Pipe()
+		if err != nil {
+			closeAll(child)
+			closeAll(parent)
+			return nil, nil, err
+		}
+		parent[i], child[i] = r, w
+	}
+	return child, parent, nil
+}
+
+// reversePipe returns (write end, read end): we write the workload's stdin.
+func reversePipe() (w, r *os.File, err error) {
+	r, w, err = os.Pipe()
+	return w, r, err
+}
+
+func closeAll(fs []*os.File) {
+	for _, f := range fs {
+		if f != nil {
+			f.Close()
+		}
+	}
+}
+
+// mergeEnv overlays KEY=VALUE entries on a base environment, last one winning.
+func mergeEnv(base, over []string) []string {
+	out := append([]string(nil), base...)
+	for _, kv := range over {
+		k, _, _ := strings.Cut(kv, "=")
+		replaced := false
+		for i, old := range out {
+			if strings.HasPrefix(old, k+"=") {
+				out[i], replaced = kv, true
+			}
+		}
+		if !replaced {
+			out = append(out, kv)
+		}
+	}
+	return out
+}

@@ -1,0 +1,85 @@
+package pool
+
+import (
+	"fmt"
+	"path"
+	"time"
+
+	"github.com/tidepool-dev/tidepool/binding"
+	"github.com/tidepool-dev/tidepool/shim"
+)
+
+// Template describes one pool. The plugin package maps its TOML onto it.
+type Template struct {
+	Name    string
+	Image   string
+	Runtime string // a runc-kind route of the tidepool shim: runc or runsc
+	Workdir string // where claimed forks appear
+	Owner   string // uid:gid of the fork's files
+	CPUs    float64
+	Memory  int64 // bytes; 0 = unlimited
+	Min     int
+	Target  int
+	Max     int
+	// RefillRate is how many members may be started per second.
+	RefillRate float64
+	MaxAge     time.Duration
+}
+
+// Validate checks a template and fills its defaults.
+func (t *Template) Validate() error {
+	bad := func(f string, a ...any) error { return fmt.Errorf("pool %q: "+f, append([]any{t.Name}, a...)...) }
+	if t.Name == "" || len(t.Name) > 32 || path.Base(t.Name) != t.Name {
+		return fmt.Errorf("pool name %q: want 1-32 characters, no '/'", t.Name)
+	}
+	if t.Image == "" {
+		return bad("needs an image")
+	}
+	if t.Runtime == "" {
+		t.Runtime = "runc"
+	}
+	if t.Workdir == "" {
+		t.Workdir = binding.DefaultWorkdir
+	}
+	wd, err := binding.ParseWorkdir(t.Workdir)
+	if err != nil {
+		return bad("workdir: %v", err)
+	}
+	t.Workdir = wd
+	if t.Owner == "" {
+		t.Owner = "0:0"
+	}
+	if _, _, err := binding.ParseOwner(t.Owner); err != nil {
+		return bad("owner: %v", err)
+	}
+	if t.Target <= 0 {
+		t.Target = 1
+	}
+	if t.Max == 0 {
+		t.Max = 2 * t.Target
+	}
+	if t.Min < 0 || t.Min > t.Target || t.Target > t.Max {
+		return bad("sizes must satisfy 0 <= min (%d) <= target (%d) <= max (%d)", t.Min, t.Target, t.Max)
+	}
+	if t.RefillRate <= 0 {
+		t.RefillRate = 5
+	}
+	if t.MaxAge <= 0 {
+		t.MaxAge = time.Hour
+	}
+	if t.CPUs < 0 || t.Memory < 0 {
+		return bad("resources must not be negative")
+	}
+	return nil
+}
+
+// runtimeAnnotation routes members through the shim's route of that name.
+func (t *Template) annotations(memberID string) map[string]string {
+	return map[string]string{
+		shim.AnnotationRuntime: t.Runtime,
+		// One shim process serves every member of a pool.
+		"io.containerd.runc.v2.group": "tidepool-pool-" + t.Name,
+		LabelPool:                     t.Name,
+		LabelMember:                   memberID,
+	}
+}
