@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"path"
 	"sync"
@@ -175,7 +176,13 @@ func (d *dirNode) Lookup(ctx context.Context, name string, out *gofuse.EntryOut)
 	}
 	in := d.NewInode(ctx, node, gofs.StableAttr{Mode: typ, Ino: ino})
 	var ao gofuse.AttrOut
-	node.(gofs.NodeGetattrer).Getattr(ctx, nil, &ao)
+	if f, ok := node.(*fileNode); ok {
+		// A file whose size cannot be learnt still exists: GETATTR, the open or the
+		// read reports the failure, not the lookup.
+		_ = f.getattr(ctx, f.mode(), true, &ao)
+	} else {
+		node.(gofs.NodeGetattrer).Getattr(ctx, nil, &ao)
+	}
 	out.Attr = ao.Attr
 	if t := ao.Timeout(); t != 0 {
 		out.SetAttrTimeout(t)
@@ -357,27 +364,31 @@ type blobInfo struct {
 // learnt: the kernel asks again at once instead of caching a wrong size for an hour.
 const unknownAttrTimeout = time.Nanosecond
 
-func (b *blobNode) getattr(ctx context.Context, mode uint32, owned bool, out *gofuse.AttrOut) {
+// getattr fills out with the object's size, learnt once. When it cannot be learnt
+// it fills in size 0 with a lifetime short enough that the kernel asks again, and
+// returns why.
+func (b *blobNode) getattr(ctx context.Context, mode uint32, owned bool, out *gofuse.AttrOut) error {
 	info := b.info.Load()
 	if info == nil {
-		if i, ok := b.v.blobInfo(ctx, b.hash); ok {
-			b.info.Store(&i)
-			info = &i
+		i, err := b.v.blobInfo(ctx, b.hash)
+		if err != nil {
+			log.G(b.v.ctx).WithError(err).WithFields(log.Fields{"path": "/" + b.path, "hash": b.hash.String()}).Debug("object size unknown")
+			b.v.fillAttr(&out.Attr, b.v.inos.ino(b.path), mode, owned, 0, 0, 0)
+			out.SetTimeout(unknownAttrTimeout)
+			return err
 		}
-	}
-	if info == nil {
-		b.v.fillAttr(&out.Attr, b.v.inos.ino(b.path), mode, owned, 0, 0, 0)
-		out.SetTimeout(unknownAttrTimeout)
-		return
+		b.info.Store(&i)
+		info = &i
 	}
 	b.v.fillAttr(&out.Attr, b.v.inos.ino(b.path), mode, owned, info.size, info.blocks, info.blksize)
+	return nil
 }
 
 // fileNode is a regular file: opened from the verified object, with passthrough
-// where available. The object file, once opened, stays open while the kernel keeps
-// the inode (within a process-wide budget), so later opens of the file cost the
-// server no syscalls of its own: objects are immutable, so one descriptor can back
-// every open.
+// where available, or (NoOpen) never opened at all and read by offset. The object
+// file, once opened, stays open while the kernel keeps the inode (within a
+// process-wide budget), so later opens and reads of the file cost the server no
+// syscalls of its own: objects are immutable, so one descriptor can back every open.
 type fileNode struct {
 	blobNode
 	exec bool
@@ -390,6 +401,8 @@ type fileNode struct {
 var (
 	_ gofs.NodeGetattrer   = (*fileNode)(nil)
 	_ gofs.NodeOpener      = (*fileNode)(nil)
+	_ gofs.NodeReader      = (*fileNode)(nil)
+	_ gofs.NodeFlusher     = (*fileNode)(nil)
 	_ gofs.NodeOnForgetter = (*fileNode)(nil)
 )
 
@@ -400,16 +413,26 @@ func (f *fileNode) mode() uint32 {
 	return syscall.S_IFREG | 0o644
 }
 
-// Getattr implements gofs.NodeGetattrer.
+// Getattr implements gofs.NodeGetattrer. A file whose size cannot be learnt reads
+// as size 0 when opens are served (the open fails instead); in NoOpen mode nothing
+// else would stop it reading as empty, so the stat itself fails (the kernel refreshes
+// such a file's attributes before every read).
 func (f *fileNode) Getattr(ctx context.Context, _ gofs.FileHandle, out *gofuse.AttrOut) syscall.Errno {
-	f.getattr(ctx, f.mode(), true, out)
+	if err := f.getattr(ctx, f.mode(), true, out); err != nil && f.v.noOpen.Load() {
+		return f.v.fail(err, ErrIO, f.path, f.hash, "cannot learn file size")
+	}
 	return 0
 }
 
-// Open implements gofs.NodeOpener.
+// Open implements gofs.NodeOpener. In NoOpen mode it answers ENOSYS, which the
+// kernel takes as "this server has no use for opens": that open and every later one
+// on the connection succeed without a request, with their page cache kept.
 func (f *fileNode) Open(ctx context.Context, flags uint32) (gofs.FileHandle, uint32, syscall.Errno) {
 	if flags&syscall.O_ACCMODE != syscall.O_RDONLY || flags&syscall.O_TRUNC != 0 {
 		return nil, 0, syscall.EROFS
+	}
+	if f.v.noOpen.Load() {
+		return nil, 0, syscall.ENOSYS
 	}
 	h, errno := f.handle(ctx)
 	if errno != 0 {
@@ -423,19 +446,29 @@ func (f *fileNode) Open(ctx context.Context, flags uint32) (gofs.FileHandle, uin
 }
 
 func (f *fileNode) handle(ctx context.Context) (*fileHandle, syscall.Errno) {
-	pt := f.v.passthrough.Load()
+	fd, own, errno := f.object(ctx, "cannot open file")
+	if errno != 0 {
+		return nil, errno
+	}
+	return &fileHandle{fd: fd, own: own, passthrough: f.v.passthrough.Load()}, 0
+}
+
+// object returns a descriptor of the verified object file, opening (and maybe
+// hydrating) it on first use: the node's shared one, or, over the descriptor budget,
+// a private file that the caller closes. Failures are logged with msg.
+func (f *fileNode) object(ctx context.Context, msg string) (int, *os.File, syscall.Errno) {
 	f.mu.Lock()
 	if f.cached != nil {
 		fd := f.fd
 		f.mu.Unlock()
-		return &fileHandle{v: f.v, fd: fd, passthrough: pt}, 0
+		return fd, nil, 0
 	}
 	f.mu.Unlock()
 	// Open (and maybe hydrate) without the lock, so concurrent first opens wait in
 	// the interruptible hydration instead of on a mutex.
 	file, err := f.v.openBlob(ctx, f.hash)
 	if err != nil {
-		return nil, f.v.fail(err, ErrIO, f.path, f.hash, "cannot open file")
+		return -1, nil, f.v.fail(err, ErrIO, f.path, f.hash, msg)
 	}
 	fd := int(file.Fd())
 	if f.info.Load() == nil {
@@ -448,13 +481,46 @@ func (f *fileNode) handle(ctx context.Context) (*fileHandle, syscall.Errno) {
 	defer f.mu.Unlock()
 	if f.cached != nil { // a concurrent open cached its descriptor first
 		file.Close()
-		return &fileHandle{v: f.v, fd: f.fd, passthrough: pt}, 0
+		return f.fd, nil, 0
 	}
 	if !f.v.keepOpen(f) {
-		return &fileHandle{v: f.v, fd: fd, own: file, passthrough: pt}, 0
+		return fd, file, 0
 	}
 	f.cached, f.fd = file, fd
-	return &fileHandle{v: f.v, fd: fd, passthrough: pt}, 0
+	return fd, nil, 0
+}
+
+// Read implements gofs.NodeReader, for every READ that reaches the server: with
+// the handle of an open served without passthrough, or in NoOpen mode with none, in
+// which case the node's own object file serves it. Reads are spliced from the
+// object file, except from a private descriptor (over budget), which is closed
+// before the reply is written and so is read into dest first.
+func (f *fileNode) Read(ctx context.Context, fh gofs.FileHandle, dest []byte, off int64) (gofuse.ReadResult, syscall.Errno) {
+	f.v.stats.Reads.Add(1)
+	if h, ok := fh.(*fileHandle); ok {
+		return gofuse.ReadResultFd(uintptr(h.fd), off, len(dest)), 0
+	}
+	fd, own, errno := f.object(ctx, "cannot read file")
+	if errno != 0 {
+		return nil, errno
+	}
+	if own == nil {
+		return gofuse.ReadResultFd(uintptr(fd), off, len(dest)), 0
+	}
+	defer own.Close()
+	n, err := own.ReadAt(dest, off)
+	if err != nil && !errors.Is(err, io.EOF) {
+		return nil, f.v.fail(err, ErrIO, f.path, f.hash, "cannot read file")
+	}
+	return gofuse.ReadResultData(dest[:n]), 0
+}
+
+// Flush implements gofs.NodeFlusher. A read-only view has nothing to flush, and
+// ENOSYS tells the kernel so, once for the whole connection. Opens served by Open
+// say FOPEN_NOFLUSH and never get here; in NoOpen mode there are no open flags, and
+// the kernel would otherwise send a FLUSH at every close.
+func (f *fileNode) Flush(context.Context, gofs.FileHandle) syscall.Errno {
+	return syscall.ENOSYS
 }
 
 // OnForget implements gofs.NodeOnForgetter: the kernel dropped the inode (so no file
@@ -474,9 +540,9 @@ func (f *fileNode) closeCached() bool {
 }
 
 // fileHandle is one open of a file: a descriptor of the verified object file,
-// either the node's shared one or (over budget) its own.
+// either the node's shared one or (over budget) its own. Its reads are served by
+// fileNode.Read.
 type fileHandle struct {
-	v           *View
 	fd          int
 	own         *os.File // closed at release; nil when fd is the node's shared one
 	passthrough bool
@@ -484,19 +550,12 @@ type fileHandle struct {
 
 var (
 	_ gofs.FilePassthroughFder = (*fileHandle)(nil)
-	_ gofs.FileReader          = (*fileHandle)(nil)
 	_ gofs.FileReleaser        = (*fileHandle)(nil)
 )
 
 // PassthroughFd hands the object file to the kernel, which then reads it directly.
 func (h *fileHandle) PassthroughFd() (int, bool) {
 	return h.fd, h.passthrough
-}
-
-// Read serves reads when passthrough is not in use, splicing from the object file.
-func (h *fileHandle) Read(_ context.Context, dest []byte, off int64) (gofuse.ReadResult, syscall.Errno) {
-	h.v.stats.Reads.Add(1)
-	return gofuse.ReadResultFd(uintptr(h.fd), off, len(dest)), 0
 }
 
 // Release closes a private object file.
@@ -555,23 +614,27 @@ func (v *View) fillAttr(out *gofuse.Attr, ino uint64, mode uint32, owned bool, s
 
 // blobInfo learns an object's size without reading it: from the object file's stat
 // when local, from the source otherwise.
-func (v *View) blobInfo(ctx context.Context, h casstore.Hash) (blobInfo, bool) {
+func (v *View) blobInfo(ctx context.Context, h casstore.Hash) (blobInfo, error) {
 	var st unix.Stat_t
 	err := unix.Stat(v.store.Path(h), &st)
-	if err == nil {
-		return blobInfo{size: st.Size, blocks: uint64(st.Blocks), blksize: uint32(st.Blksize)}, true
+	switch {
+	case err == nil:
+		return blobInfo{size: st.Size, blocks: uint64(st.Blocks), blksize: uint32(st.Blksize)}, nil
+	case h == casstore.EmptyHash:
+		return blobInfo{}, nil
+	case err != unix.ENOENT:
+		return blobInfo{}, fmt.Errorf("stat object %s: %w", h, err)
+	case v.opts.Source == nil:
+		return blobInfo{}, fmtNotLocal(h)
 	}
-	if h == casstore.EmptyHash {
-		return blobInfo{}, true
+	size, err := v.opts.Source.Stat(ctx, h)
+	if err == nil && size < 0 {
+		err = fmt.Errorf("negative size %d", size)
 	}
-	if err == unix.ENOENT && v.opts.Source != nil {
-		size, err := v.opts.Source.Stat(ctx, h)
-		if err == nil && size >= 0 {
-			return blobInfo{size: size, blocks: uint64((size + 511) / 512)}, true
-		}
-		log.G(v.ctx).WithError(err).WithField("hash", h).Debug("size of remote object unknown")
+	if err != nil {
+		return blobInfo{}, fmt.Errorf("%w: size of %s at the source: %w", errHydrate, h, err)
 	}
-	return blobInfo{}, false
+	return blobInfo{size: size, blocks: uint64((size + 511) / 512)}, nil
 }
 
 // openBlob opens an object verified, hydrating it first if it is not local.

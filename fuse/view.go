@@ -62,6 +62,7 @@ type View struct {
 	top    *dirNode // the view root
 
 	passthrough atomic.Bool
+	noOpen      atomic.Bool // the kernel is told to open files without asking
 	done        chan struct{}
 	unmountMu   sync.Mutex
 
@@ -173,10 +174,21 @@ func Mount(ctx context.Context, store *casstore.Store, root casstore.Hash, dir s
 		_ = server.Unmount()
 		return nil, fmt.Errorf("mount view at %s: %w", abs, err)
 	}
-	if !opts.DisablePassthrough {
+	// Opens the kernel sends before this point are served as usual, which is correct
+	// in either mode: a file opened with a handle keeps it until its release.
+	if opts.NoOpen {
+		if server.KernelSettings().Flags64()&gofuse.CAP_NO_OPEN_SUPPORT != 0 {
+			v.noOpen.Store(true)
+		} else {
+			log.G(v.ctx).Warn("kernel cannot open files without asking the server: serving opens")
+		}
+	}
+	if !opts.DisablePassthrough && !v.noOpen.Load() {
 		v.passthrough.Store(v.probePassthrough())
 	}
-	log.G(v.ctx).WithFields(log.Fields{"root": root, "prefix": opts.Prefix, "passthrough": v.passthrough.Load()}).Debug("view mounted")
+	log.G(v.ctx).WithFields(log.Fields{
+		"root": root, "prefix": opts.Prefix, "passthrough": v.passthrough.Load(), "noopen": v.noOpen.Load(),
+	}).Debug("view mounted")
 	return v, nil
 }
 
@@ -261,6 +273,11 @@ func (v *View) Stats() *Stats { return v.stats }
 // kernel offered it, it was not disabled, and registering a backing file from the
 // store's filesystem worked.
 func (v *View) PassthroughActive() bool { return v.passthrough.Load() }
+
+// NoOpenActive reports whether the view runs with kernel open caching
+// (Options.NoOpen, and the kernel supports it): files are opened without asking this
+// process and read by offset through it.
+func (v *View) NoOpenActive() bool { return v.noOpen.Load() }
 
 // Done is closed when the FUSE server has exited: after Unmount, or after anyone
 // unmounted the directory.

@@ -227,7 +227,6 @@ func TestGoTreeMatchesSource(t *testing.T) {
 			t.Fatalf("no READ requests reached the server for %d files", files)
 		}
 		// The page cache outlives the opens: a second pass reads nothing.
-		println("DBGREAD ----- second pass")
 		size := readTree(t, goSrc, make([]byte, 256<<10))
 		if got := readTree(t, v.Dir(), make([]byte, 256<<10)); got != size {
 			t.Errorf("second pass read %d bytes, want %d", got, size)

@@ -207,9 +207,9 @@ func (c *Controller) containerd() *containerd.Client {
 	return c.client
 }
 
-// reconcile adopts the idle members a previous tidepoold left (frozen, holder ready,
-// young enough), finishes the claimed ones (their workload's changes are still
-// committed when it exits), and destroys everything else, so nothing leaks.
+// reconcile deals with the members a previous tidepoold left: claimed ones are
+// finished (their workload's changes are committed when it exits), everything else is
+// destroyed and the pools refill, so nothing leaks.
 func (c *Controller) reconcile(ctx context.Context) {
 	cl := c.containerd()
 	list, err := cl.Containers(ctx, fmt.Sprintf("labels.%q", LabelPool))
@@ -232,26 +232,21 @@ func (c *Controller) reconcile(ctx context.Context) {
 			continue
 		}
 		m, err := p.adopt(ctx, ctr, labels)
-		switch {
-		case err != nil:
-			logger.WithError(err).Info("pools: destroying a member that cannot be adopted")
-			p.discard(ctx, &Member{id: ctr.ID(), pool: p, container: ctr}, "unadoptable")
-		case labels[LabelState] == stateClaimed:
-			logger.Info("pools: a claimed member outlived its client; committing when its workload exits")
-			p.mu.Lock()
-			p.claimed++
-			p.mu.Unlock()
-			c.wg.Add(1)
-			go func() {
-				defer c.wg.Done()
-				p.finishOrphan(ctx, m)
-			}()
-		default:
-			p.mu.Lock()
-			p.idle = append(p.idle, m)
-			p.mu.Unlock()
-			logger.Debug("pools: adopted idle member")
+		if err != nil {
+			logger.WithError(err).Info("pools: destroying a member left by the previous tidepoold")
+			c.metrics.discarded.WithLabelValues(p.t.Name, "daemon_restart").Inc()
+			c.destroyContainer(ctx, ctr)
+			continue
 		}
+		logger.Info("pools: a claimed member outlived its client; committing when its workload exits")
+		p.mu.Lock()
+		p.claimed++
+		p.mu.Unlock()
+		c.wg.Add(1)
+		go func() {
+			defer c.wg.Done()
+			p.finishOrphan(ctx, m)
+		}()
 	}
 	ents, _ := os.ReadDir(c.cfg.StateDir)
 	for _, e := range ents {

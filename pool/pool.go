@@ -36,6 +36,7 @@ type Member struct {
 	env       []string
 	container containerd.Container
 	task      containerd.Task
+	exited    <-chan containerd.ExitStatus // waited on from creation, off the claim path
 }
 
 // Pool is one template's members.
@@ -269,6 +270,9 @@ func (p *Pool) create(ctx context.Context) (_ *Member, retErr error) {
 		return nil, fmt.Errorf("create member task: %w", err)
 	}
 	m.task = task
+	if m.exited, err = task.Wait(ctx); err != nil {
+		return nil, fmt.Errorf("wait for member task: %w", err)
+	}
 	if err := task.Start(ctx); err != nil {
 		return nil, fmt.Errorf("start member task: %w", err)
 	}
@@ -306,9 +310,16 @@ func (m *Member) describe(ctx context.Context) error {
 	return nil
 }
 
-// adopt takes over a member a previous tidepoold left: its task must still be there,
-// and an idle one must be frozen with its holder listening, and young enough.
+// adopt takes over a claimed member a previous tidepoold left, so that its workload's
+// changes are still committed when it exits. Idle members are not adopted: fork views
+// are served by tidepoold itself, so an idle member's view died with the daemon that
+// made it, and the overlay above still holds that dead mount; the member could never
+// take a fork. (Adopting idle members needs views that outlive the daemon: design.md
+// section 3, the next milestone.)
 func (p *Pool) adopt(ctx context.Context, ctr containerd.Container, labels map[string]string) (*Member, error) {
+	if labels[LabelState] != stateClaimed {
+		return nil, fmt.Errorf("its fork view was served by the previous tidepoold")
+	}
 	created, _ := strconv.ParseInt(labels[LabelCreated], 10, 64)
 	m := &Member{id: ctr.ID(), pool: p, created: time.Unix(created, 0), dir: filepath.Join(p.c.cfg.StateDir, ctr.ID()), container: ctr}
 	task, err := ctr.Task(ctx, nil)
@@ -316,17 +327,8 @@ func (p *Pool) adopt(ctx context.Context, ctr containerd.Container, labels map[s
 		return nil, fmt.Errorf("no task: %w", err)
 	}
 	m.task = task
-	if labels[LabelState] == stateIdle {
-		st, err := task.Status(ctx)
-		if err != nil || st.Status != containerd.Paused {
-			return nil, fmt.Errorf("idle member is %q, not paused (%v)", st.Status, err)
-		}
-		if _, err := os.Stat(filepath.Join(m.dir, holder.ReadyName)); err != nil {
-			return nil, fmt.Errorf("holder not ready: %w", err)
-		}
-		if time.Since(m.created) > p.t.MaxAge {
-			return nil, fmt.Errorf("older than %s", p.t.MaxAge)
-		}
+	if m.exited, err = task.Wait(ctx); err != nil {
+		return nil, fmt.Errorf("wait for member task: %w", err)
 	}
 	if err := m.describe(ctx); err != nil {
 		return nil, err
@@ -377,13 +379,10 @@ func killAndDelete(ctx context.Context, task containerd.Task) {
 // restart), commits its changes to the fork and destroys it.
 func (p *Pool) finishOrphan(ctx context.Context, m *Member) {
 	defer p.release()
-	wait, err := m.task.Wait(ctx)
-	if err == nil {
-		select {
-		case <-wait:
-		case <-ctx.Done():
-			return // the next start adopts it again
-		}
+	select {
+	case <-m.exited:
+	case <-ctx.Done():
+		return // the next start adopts it again
 	}
 	if _, _, err := p.c.sn.CommitNow(ctx, m.snapKey); err != nil {
 		log.G(ctx).WithError(err).WithField("member", m.id).Warn("pools: cannot commit an orphaned member; its snapshot commits when removed")

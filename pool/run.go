@@ -86,6 +86,7 @@ func (c *Controller) Run(ctx context.Context, spec RunSpec, rio RunIO) (RunResul
 	if err != nil {
 		return res, err
 	}
+	tClaimed := time.Since(start)
 	defer p.release()
 	res.Member = m.id
 
@@ -95,12 +96,10 @@ func (c *Controller) Run(ctx context.Context, spec RunSpec, rio RunIO) (RunResul
 		return res, err
 	}
 	defer closeAll(parent)
-	wait, err := m.task.Wait(context.WithoutCancel(ctx))
-	if err == nil {
-		err = holder.SendExec(filepath.Join(m.dir, holder.ControlName), holder.ExecRequest{
-			Args: spec.Args, Env: mergeEnv(m.env, spec.Env), Cwd: cwd, Fds: true,
-		}, stdio)
-	}
+	wait := m.exited
+	err = holder.SendExec(filepath.Join(m.dir, holder.ControlName), holder.ExecRequest{
+		Args: spec.Args, Env: mergeEnv(m.env, spec.Env), Cwd: cwd, Fds: true,
+	}, stdio)
 	closeAll(stdio)
 	if err == nil {
 		err = m.task.Resume(ctx)
@@ -110,6 +109,7 @@ func (c *Controller) Run(ctx context.Context, spec RunSpec, rio RunIO) (RunResul
 		return res, fmt.Errorf("run in member %s: %w", m.id, err)
 	}
 	res.ClaimLatency = time.Since(start)
+	log.G(ctx).WithField("member", m.id).WithField("take_bind", tClaimed).WithField("total", res.ClaimLatency).Debug("pools: claimed")
 	c.metrics.claimSeconds.WithLabelValues(p.t.Name).Observe(res.ClaimLatency.Seconds())
 	c.metrics.ageAtClaim.WithLabelValues(p.t.Name).Observe(start.Sub(m.created).Seconds())
 	go m.container.SetLabels(context.WithoutCancel(ctx), map[string]string{LabelState: stateClaimed})

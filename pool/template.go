@@ -76,10 +76,11 @@ func (t *Template) Validate() error {
 // runtimeAnnotation routes members through the shim's route of that name.
 func (t *Template) annotations(memberID string) map[string]string {
 	return map[string]string{
+		// Each member has a shim of its own: a shim serving a group exits when its
+		// last container goes, and a pool that drains would race a new member's
+		// create against that exit.
 		shim.AnnotationRuntime: t.Runtime,
-		// One shim process serves every member of a pool.
-		"io.containerd.runc.v2.group": "tidepool-pool-" + t.Name,
-		LabelPool:                     t.Name,
-		LabelMember:                   memberID,
+		LabelPool:              t.Name,
+		LabelMember:            memberID,
 	}
 }

@@ -259,3 +259,4 @@ func (s *Snapshotter) List(ctx context.Context) ([]SnapshotBinding, error) {
 	})
 	return out, err
 }
+

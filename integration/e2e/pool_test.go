@@ -7,12 +7,17 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"sort"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
+	apiv1 "github.com/tidepool-dev/tidepool/api/v1"
+	"github.com/tidepool-dev/tidepool/integration/harness"
 	"github.com/tidepool-dev/tidepool/integration/imagebuild"
 	"github.com/tidepool-dev/tidepool/integration/stack"
+	"github.com/tidepool-dev/tidepool/localapi"
 )
 
 // poolStack starts a stack whose tidepoold keeps a pool of the Node image.
@@ -135,4 +140,175 @@ func TestPoolRun(t *testing.T) {
 	waitPool(t, s, "node", 2)
 }
 
-var _ = context.Background
+
+// TestPoolSignalDeath: a workload killed by a signal reports 128+N, as a cold
+// container killed the same way does through ctr.
+func TestPoolSignalDeath(t *testing.T) {
+	s := poolStack(t, 1, "")
+	waitPool(t, s, "node", 1)
+	client, err := localapi.Dial(context.Background(), s.APIAddress, 5*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer client.Close()
+	sigs := make(chan os.Signal, 1)
+	var out bytes.Buffer
+	done := make(chan struct{})
+	var exit *apiv1.RunExit
+	go func() {
+		defer close(done)
+		exit, err = client.Run(context.Background(), &apiv1.RunStart{Pool: "node", Args: []string{"sh", "-c", "echo up; sleep 1000"}},
+			localapi.RunStreams{Stdout: &out, Stderr: &out, Signals: sigs})
+	}()
+	for !strings.Contains(out.String(), "up") {
+		time.Sleep(20 * time.Millisecond)
+	}
+	sigs <- syscall.SIGKILL
+	<-done
+	if err != nil || exit.GetStatus() != 137 {
+		t.Fatalf("warm workload killed: %+v %v", exit, err)
+	}
+
+	// The same workload, cold, killed through ctr.
+	cold := exec.Command(ctrPath(t), "--address", s.C.Address, "--namespace", s.C.Namespace, "run", "--rm", "--fifo-dir", s.C.FIFODir,
+		"--snapshotter", "tidepool", imagebuild.NodeRef, "cold-kill", "sh", "-c", "echo up; sleep 1000")
+	var coldOut bytes.Buffer
+	cold.Stdout = &coldOut
+	if err := cold.Start(); err != nil {
+		t.Fatal(err)
+	}
+	for !strings.Contains(coldOut.String(), "up") {
+		time.Sleep(20 * time.Millisecond)
+	}
+	s.MustCtr(t, "task", "kill", "-s", "KILL", "cold-kill")
+	cold.Wait()
+	if code := cold.ProcessState.ExitCode(); code != 137 {
+		t.Fatalf("cold container killed: exit %d", code)
+	}
+}
+
+// TestPoolHundredClaims: 100 claims in a row from a pool of target 4, each correct,
+// and afterwards nothing leaked: the pool is back at target, with exactly its members'
+// containers, snapshots, views, mounts and cgroups.
+func TestPoolHundredClaims(t *testing.T) {
+	s := poolStack(t, 4, "")
+	root := s.Ingest(t, writeTree(t, appSource))
+	waitPool(t, s, "node", 4)
+	client, err := localapi.Dial(context.Background(), s.APIAddress, 5*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer client.Close()
+	var claims []float64
+	forksSeen := map[string]bool{}
+	for i := 0; i < 100; i++ {
+		var out, errOut bytes.Buffer
+		exit, err := client.Run(context.Background(), &apiv1.RunStart{
+			Pool: "node", Fork: root, Args: []string{"sh", "-c", fmt.Sprintf("cat README.md && echo %d > n.txt && echo %d", i, i)},
+		}, localapi.RunStreams{Stdout: &out, Stderr: &errOut})
+		if err != nil {
+			t.Fatalf("claim %d: %v", i, err)
+		}
+		if want := appSource["README.md"] + fmt.Sprintf("%d\n", i); out.String() != want || exit.GetStatus() != 0 || errOut.Len() != 0 {
+			t.Fatalf("claim %d: exit %d stdout %q stderr %q", i, exit.GetStatus(), out.String(), errOut.String())
+		}
+		if forksSeen[exit.GetForkId()] || exit.GetForkId() == "" {
+			t.Fatalf("claim %d: fork %q reused or missing", i, exit.GetForkId())
+		}
+		forksSeen[exit.GetForkId()] = true
+		if got := s.MustTidepool(t, "cat", exit.GetForkId(), "n.txt"); got != fmt.Sprintf("%d\n", i) {
+			t.Fatalf("claim %d: fork holds %q", i, got)
+		}
+		claims = append(claims, exit.GetClaimMs())
+	}
+	sort.Float64s(claims)
+	t.Logf("100 claims: claim latency p50 %.1f ms, p99 %.1f ms", claims[49], claims[98])
+	waitPool(t, s, "node", 4)
+	waitFor(t, "only the 4 members left", func() string {
+		return checkOnlyMembers(t, s, 4)
+	})
+}
+
+// checkOnlyMembers returns "" when containerd, the snapshotter, the view host and the
+// mount table hold exactly n pool members and nothing else, else what is off.
+func checkOnlyMembers(t testing.TB, s *stack.Stack, n int) string {
+	ctrs := strings.Fields(s.MustCtr(t, "container", "ls", "-q"))
+	if len(ctrs) != n {
+		return fmt.Sprintf("%d containers: %v", len(ctrs), ctrs)
+	}
+	active := 0
+	for _, line := range strings.Split(s.MustCtr(t, "snapshot", "--snapshotter", "tidepool", "ls"), "\n") {
+		if strings.Contains(line, "Active") {
+			active++
+		}
+	}
+	if active != n {
+		return fmt.Sprintf("%d active snapshots", active)
+	}
+	views, _ := os.ReadDir(filepath.Join(s.Root, "views"))
+	mounts, _ := harness.MountsUnder(s.Root)
+	if len(views) != n || len(mounts) != n {
+		return fmt.Sprintf("%d view dirs, %d mounts under the root: %v", len(views), len(mounts), mounts)
+	}
+	cgs, _ := harness.CgroupDirs("/" + s.C.Namespace)
+	for _, cg := range cgs {
+		ents, _ := os.ReadDir(cg)
+		dirs := 0
+		for _, e := range ents {
+			if e.IsDir() {
+				dirs++
+			}
+		}
+		if dirs != n {
+			return fmt.Sprintf("%d container cgroups under %s", dirs, cg)
+		}
+	}
+	return ""
+}
+
+func waitFor(t testing.TB, what string, check func() string) {
+	t.Helper()
+	deadline := time.Now().Add(60 * time.Second)
+	for {
+		msg := check()
+		if msg == "" {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s: %s", what, msg)
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+}
+
+// TestPoolReconcileAfterDaemonKill: tidepoold killed with SIGKILL while idle members
+// exist. Their fork views died with it (views are served in-process), so the new
+// daemon cannot hand them a fork: it destroys them and refills; claims work and
+// nothing leaks.
+func TestPoolReconcileAfterDaemonKill(t *testing.T) {
+	s := poolStack(t, 3, "")
+	root := s.Ingest(t, writeTree(t, appSource))
+	waitPool(t, s, "node", 3)
+	before := strings.Fields(s.MustCtr(t, "container", "ls", "-q"))
+	if err := s.Daemon.Kill(); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Daemon.Start(context.Background()); err != nil {
+		t.Fatalf("restart tidepoold: %v\n%s", err, s.Daemon.LogTail(40))
+	}
+	waitPool(t, s, "node", 3)
+	after := strings.Fields(s.MustCtr(t, "container", "ls", "-q"))
+	for _, id := range before {
+		for _, a := range after {
+			if a == id {
+				t.Fatalf("member %s, whose view died, is still in the pool", id)
+			}
+		}
+	}
+	out, _, code := tidepoolRun(t, s, "", "--pool", "node", "--fork", root, "--", "cat", "README.md")
+	if code != 0 || out != appSource["README.md"] {
+		t.Fatalf("claim after restart: exit %d, %q", code, out)
+	}
+	waitPool(t, s, "node", 3)
+	waitFor(t, "only the members left", func() string { return checkOnlyMembers(t, s, 3) })
+}
