@@ -85,14 +85,21 @@ func (r *requestTrace) take() map[string]int {
 	return c
 }
 
-// TestWarmPassRequests reads a part of the Go tree twice through a view and counts
-// what the kernel asks the server. Served opens cost one OPEN (and RELEASE) per file
-// on every pass while the pages stay cached; in NoOpen mode the first OPEN is the
-// only one the connection ever sees, closes send nothing, and a warm pass reaches
-// the server with no request at all for its files.
+// TestWarmPassRequests reads a part of the Go tree through a view, then again warm,
+// and counts what the kernel asks the server. Served opens cost an OPEN and a
+// RELEASE per file on every pass while the pages stay cached; in NoOpen mode the
+// first OPEN is the only one the connection ever sees, closes send nothing, and a
+// warm pass reaches the server with no request at all for its files.
 func TestWarmPassRequests(t *testing.T) {
 	requireRoot(t)
 	s, root := goStore(t)
+	src := filepath.Join(goSrc, "go")
+	buf := make([]byte, 256<<10)
+	size := readTree(t, src, buf)
+	files := countFiles(t, src)
+	if files < 500 {
+		t.Fatalf("only %d files under %s", files, src)
+	}
 	for _, m := range openModes {
 		t.Run(m.name, func(t *testing.T) {
 			dir := sharedDir(t)
@@ -106,54 +113,58 @@ func TestWarmPassRequests(t *testing.T) {
 			}
 			trace.take() // go-fuse's own requests at mount (INIT, its poll probe)
 			sub := filepath.Join(v.Dir(), "go")
-			buf := make([]byte, 256<<10)
-			size := readTree(t, filepath.Join(goSrc, "go"), buf)
-			files := countFiles(t, filepath.Join(goSrc, "go"))
-			if files < 500 {
-				t.Fatalf("only %d files under go/", files)
-			}
-
 			if got := readTree(t, sub, buf); got != size {
 				t.Fatalf("first pass read %d bytes, want %d", got, size)
 			}
 			first := trace.take()
 			t.Logf("first pass, %d files: %v", files, first)
 			if first["READ"] < files/2 {
-				t.Errorf("first pass: %d READs for %d files: is the trace working?", first["READ"], files)
+				t.Fatalf("first pass: %d READs for %d files: is the trace working?", first["READ"], files)
 			}
-			reads := v.Stats().Reads.Load()
-			if got := readTree(t, sub, buf); got != size {
-				t.Fatalf("second pass read %d bytes, want %d", got, size)
-			}
-			second := trace.take()
-			t.Logf("second pass: %v", second)
-			if second["READ"] != 0 || v.Stats().Reads.Load() != reads {
-				t.Errorf("second pass: %d READ requests (Stats.Reads +%d): the page cache was not kept",
-					second["READ"], v.Stats().Reads.Load()-reads)
-			}
-			if second["LOOKUP"] != 0 || second["GETATTR"] != 0 {
-				t.Errorf("second pass: %d LOOKUPs, %d GETATTRs: entries and attributes not cached", second["LOOKUP"], second["GETATTR"])
-			}
-			if !m.noOpen {
-				if first["OPEN"] < files || second["OPEN"] < files {
-					t.Errorf("served opens: %d then %d OPENs for %d files", first["OPEN"], second["OPEN"], files)
+			if m.noOpen {
+				if first["OPEN"] != 1 {
+					t.Errorf("first pass: %d OPENs; the first ENOSYS should be the last", first["OPEN"])
 				}
-				if v.Stats().Opens.Load() < uint64(2*files) {
-					t.Errorf("Stats.Opens = %d for two passes over %d files", v.Stats().Opens.Load(), files)
+				if first["FLUSH"] > 1 || first["RELEASE"] != 0 {
+					t.Errorf("first pass: %d FLUSH, %d RELEASE; closes should cost nothing", first["FLUSH"], first["RELEASE"])
 				}
-				return
 			}
-			if first["OPEN"] != 1 {
-				t.Errorf("first pass: %d OPENs; the first ENOSYS should be the last", first["OPEN"])
+
+			// The kernel may evict the odd cached page by itself (this VM does so
+			// without memory pressure, to natively read files as well), so a warm
+			// pass with stray READs is repeated, up to three times. A view whose
+			// page cache did not survive re-reads every file on every pass.
+			for pass := 2; ; pass++ {
+				reads := v.Stats().Reads.Load()
+				if got := readTree(t, sub, buf); got != size {
+					t.Fatalf("pass %d read %d bytes, want %d", pass, got, size)
+				}
+				warm := trace.take()
+				t.Logf("pass %d: %v", pass, warm)
+				if warm["LOOKUP"] != 0 || warm["GETATTR"] != 0 {
+					t.Errorf("pass %d: %d LOOKUPs, %d GETATTRs: entries and attributes not cached", pass, warm["LOOKUP"], warm["GETATTR"])
+				}
+				if m.noOpen {
+					if n := warm["OPEN"] + warm["FLUSH"] + warm["RELEASE"]; n != 0 {
+						t.Errorf("pass %d: %d OPEN, %d FLUSH, %d RELEASE, want none", pass, warm["OPEN"], warm["FLUSH"], warm["RELEASE"])
+					}
+				} else if warm["OPEN"] < files || warm["RELEASE"] < files {
+					t.Errorf("pass %d: %d OPEN, %d RELEASE for %d files", pass, warm["OPEN"], warm["RELEASE"], files)
+				}
+				if got := v.Stats().Reads.Load() - reads; got != uint64(warm["READ"]) {
+					t.Errorf("pass %d: Stats.Reads counted %d READs, the kernel sent %d", pass, got, warm["READ"])
+				}
+				if warm["READ"] == 0 {
+					break
+				}
+				if pass == 4 || warm["READ"] > files/10 {
+					t.Fatalf("pass %d: %d READ requests: the page cache was not kept", pass, warm["READ"])
+				}
 			}
-			if first["FLUSH"] > 1 || first["RELEASE"] != 0 {
-				t.Errorf("first pass: %d FLUSH, %d RELEASE; closes should cost nothing", first["FLUSH"], first["RELEASE"])
-			}
-			if n := second["OPEN"] + second["FLUSH"] + second["RELEASE"]; n != 0 {
-				t.Errorf("second pass: %d OPEN, %d FLUSH, %d RELEASE, want none", second["OPEN"], second["FLUSH"], second["RELEASE"])
-			}
-			if v.Stats().Opens.Load() != 0 {
-				t.Errorf("Stats.Opens = %d in NoOpen mode", v.Stats().Opens.Load())
+			if opens := v.Stats().Opens.Load(); m.noOpen && opens != 0 {
+				t.Errorf("Stats.Opens = %d in NoOpen mode", opens)
+			} else if !m.noOpen && opens < uint64(2*files) {
+				t.Errorf("Stats.Opens = %d after two passes over %d files", opens, files)
 			}
 		})
 	}
