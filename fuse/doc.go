@@ -7,9 +7,12 @@
 // process) when the file is opened. Objects are immutable, so the kernel may cache
 // entries, attributes, listings and pages for a long time, and FUSE passthrough hands
 // reads of a local blob straight to the blob file (whose page cache every view of
-// the same root then shares). Objects missing locally come from a BlobSource,
-// fetched once, verified and stored before they are served. A missing or corrupt
-// object costs one file or directory (EIO, a log line, a counter), never the view.
+// the same root then shares). Alternatively (Options.NoOpen) the kernel opens files
+// without asking and keeps each file's pages in the view's own cache, trading
+// passthrough and a shared page cache for no round trip per open. Objects missing
+// locally come from a BlobSource, fetched once, verified and stored before they are
+// served. A missing or corrupt object costs one file or directory (EIO, a log line,
+// a counter), never the view.
 //
 // A view can be mounted unbound and bound later (warm pools): until Bind its root is
 // empty, and a look at the workdir before then taints the view.

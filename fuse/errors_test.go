@@ -77,6 +77,14 @@ func rawTree(entries ...casstore.Entry) []byte {
 
 func TestDamagedObjectsFailOneFile(t *testing.T) {
 	requireRoot(t)
+	for _, m := range openModes {
+		t.Run(m.name, func(t *testing.T) { testDamagedObjects(t, m.noOpen) })
+	}
+}
+
+// testDamagedObjects checks that damaged objects cost one file or directory each,
+// with served opens (the open fails) or with NoOpen (the read fails).
+func testDamagedObjects(t *testing.T, noOpen bool) {
 	s := newStore(t)
 	base := ingestTree(t, s, writeFixture(t))
 	tree, err := s.ReadTree(base)
@@ -89,9 +97,10 @@ func TestDamagedObjectsFailOneFile(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	missing := casstore.Sum([]byte("never stored"))
 	tree = append(tree,
 		casstore.Entry{Mode: casstore.ModeDir, Name: "hostile", Hash: hostile},
-		casstore.Entry{Mode: casstore.ModeFile, Name: "missing.txt", Hash: casstore.Sum([]byte("never stored"))})
+		casstore.Entry{Mode: casstore.ModeFile, Name: "missing.txt", Hash: missing})
 	root, err := s.WriteTree(tree)
 	if err != nil {
 		t.Fatal(err)
@@ -103,11 +112,12 @@ func TestDamagedObjectsFailOneFile(t *testing.T) {
 
 	dir := sharedDir(t)
 	logs := recordLogs(dir)
-	v, err := Mount(t.Context(), s, root, dir, Options{})
+	v, err := Mount(t.Context(), s, root, dir, Options{NoOpen: noOpen})
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { v.Unmount() })
+	requireOpenMode(t, v, noOpen)
 	st := v.Stats()
 	p := func(rel string) string { return filepath.Join(dir, rel) }
 
@@ -140,8 +150,12 @@ func TestDamagedObjectsFailOneFile(t *testing.T) {
 	if !logs.has("/hostile", hostile.String()) {
 		t.Errorf("no log line names the hostile tree: %q", logs.lines)
 	}
-	// A file whose blob is missing (and no source) exists but cannot be opened.
-	if info, err := os.Stat(p("missing.txt")); err != nil || !info.Mode().IsRegular() {
+	// A file whose blob is missing (and no source) is listed and looked up, but
+	// cannot be read: its open fails, or in NoOpen mode its stat (its size is
+	// unknowable, and a made-up size would read as content).
+	if info, err := os.Lstat(p("missing.txt")); noOpen && !isErrno(err, syscall.EIO) {
+		t.Errorf("stat missing.txt in NoOpen mode: %v %v, want EIO", info, err)
+	} else if !noOpen && (err != nil || !info.Mode().IsRegular()) {
 		t.Errorf("stat missing.txt: %v %v", info, err)
 	}
 	if _, err := os.ReadFile(p("missing.txt")); !isErrno(err, syscall.EIO) {
@@ -149,6 +163,9 @@ func TestDamagedObjectsFailOneFile(t *testing.T) {
 	}
 	if st.Errors(ErrMissing) == 0 {
 		t.Error("missing blob not counted")
+	}
+	if !logs.has("/missing.txt", missing.String()) {
+		t.Errorf("no log line names the path and hash of the missing file: %q", logs.lines)
 	}
 
 	// Everything else keeps working.

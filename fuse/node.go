@@ -174,20 +174,15 @@ func (d *dirNode) Lookup(ctx context.Context, name string, out *gofuse.EntryOut)
 	default:
 		node, typ = &fileNode{blobNode: blobNode{v: d.v, path: p, hash: c.hash}}, syscall.S_IFREG
 	}
-	in := d.NewInode(ctx, node, gofs.StableAttr{Mode: typ, Ino: ino})
 	var ao gofuse.AttrOut
-	if f, ok := node.(*fileNode); ok {
-		// A file whose size cannot be learnt still exists: GETATTR, the open or the
-		// read reports the failure, not the lookup.
-		_ = f.getattr(ctx, f.mode(), true, &ao)
-	} else {
-		node.(gofs.NodeGetattrer).Getattr(ctx, nil, &ao)
+	if errno := node.(gofs.NodeGetattrer).Getattr(ctx, nil, &ao); errno != 0 {
+		return nil, errno
 	}
 	out.Attr = ao.Attr
 	if t := ao.Timeout(); t != 0 {
 		out.SetAttrTimeout(t)
 	}
-	return in, 0
+	return d.NewInode(ctx, node, gofs.StableAttr{Mode: typ, Ino: ino}), 0
 }
 
 // Getattr implements gofs.NodeGetattrer.
@@ -413,10 +408,11 @@ func (f *fileNode) mode() uint32 {
 	return syscall.S_IFREG | 0o644
 }
 
-// Getattr implements gofs.NodeGetattrer. A file whose size cannot be learnt reads
-// as size 0 when opens are served (the open fails instead); in NoOpen mode nothing
-// else would stop it reading as empty, so the stat itself fails (the kernel refreshes
-// such a file's attributes before every read).
+// Getattr implements gofs.NodeGetattrer (for lookups too). A file whose size cannot
+// be learnt (its object is missing everywhere, or the source cannot say) shows size
+// 0 for an instant when opens are served, and the open fails. In NoOpen mode the
+// kernel would read such a file as empty without asking, so its lookup and stat
+// fail instead; failures are not cached, so a later look retries.
 func (f *fileNode) Getattr(ctx context.Context, _ gofs.FileHandle, out *gofuse.AttrOut) syscall.Errno {
 	if err := f.getattr(ctx, f.mode(), true, out); err != nil && f.v.noOpen.Load() {
 		return f.v.fail(err, ErrIO, f.path, f.hash, "cannot learn file size")

@@ -16,7 +16,8 @@ import (
 const DefaultTimeout = time.Hour
 
 // Options configures one view. The zero value is a good default: tree at the view's
-// root, owned by 0:0, mtime = mount time, passthrough when the kernel offers it.
+// root, owned by 0:0, mtime = mount time, opens served, passthrough when the kernel
+// offers it.
 type Options struct {
 	// Prefix places the tree under this relative path ("", "app", "srv/api"), so
 	// that as an overlay lower the fork merges with the image's own directory there.
@@ -32,23 +33,24 @@ type Options struct {
 	// the view falls back to plain reads silently otherwise.
 	DisablePassthrough bool
 	// NoOpen turns on kernel open caching. The view answers the kernel's first OPEN
-	// of a file with ENOSYS (FUSE "no open" support), and from then on the kernel
-	// opens and closes files of this mount without asking: no OPEN, FLUSH or RELEASE
-	// requests, and the page cache of a file stays valid across opens. Reads arrive
-	// by offset and are served from the node's verified object file, opened (and
-	// hydrated) at the first read and kept like an open's. A warm open then costs
-	// no round trip to this process (tens of microseconds each, which dominates warm
-	// reads of many small files).
+	// with ENOSYS (FUSE "no open" support), and from then on the kernel opens and
+	// closes files of this mount without asking: no OPEN, FLUSH or RELEASE requests,
+	// and a file's page cache stays valid across opens. Reads arrive by offset and
+	// are served from the node's verified object file, opened (and hydrated) at the
+	// first read and kept like an open's. A warm open then costs no round trip to
+	// this process (tens of microseconds each, which dominates warm reads of many
+	// small files; directories still cost an OPENDIR each).
 	//
-	// The price: passthrough is impossible (there is no open reply to carry a
-	// backing file), so every page-cache miss is a READ through this process, and
-	// the page cache belongs to the view, not to the object file: N views of one root
-	// (N containers) cache a file N times, where passthrough views all share the
-	// object file's cache. A missing or corrupt object fails reads instead of opens,
-	// and a file whose size cannot be learnt (missing everywhere) also fails stat,
-	// since a zero size would make it read as empty. DisablePassthrough is implied.
-	// Without kernel support for no-open, the view serves opens as usual (with a
-	// warning); NoOpenActive tells which.
+	// The price: passthrough is impossible (there is no open reply to carry a backing
+	// file), so every page-cache miss is a READ through this process, and the page
+	// cache belongs to the view, not to the object file: N views of one root (N
+	// containers) cache a file N times, plus the object file's own cache that the
+	// first reads fill, where passthrough views all share the object file's cache. A
+	// missing or corrupt object fails reads (EIO) instead of opens, and a file whose
+	// size cannot be learnt (missing everywhere) fails lookup and stat, since the
+	// kernel would read it as empty. DisablePassthrough is implied. Without kernel
+	// support for no-open the view serves opens as usual (with a warning);
+	// View.NoOpenActive tells which.
 	NoOpen bool
 	// EntryTimeout and AttrTimeout bound kernel caching; zero means DefaultTimeout.
 	// Negative lookups are never cached (late binding needs to see them).

@@ -11,13 +11,14 @@ type Stats struct {
 	// Readdirs counts directory listings built. The kernel caches the listings of
 	// tree directories, so re-reading one costs nothing until the cache is dropped.
 	Readdirs atomic.Uint64
-	// Opens counts files opened successfully.
+	// Opens counts files opened successfully. Views in NoOpen mode never see opens
+	// (the kernel opens their files without asking), so they add nothing here.
 	Opens atomic.Uint64
 	// PassthroughOpens counts opens served with FUSE passthrough, whose reads never
 	// reach this process.
 	PassthroughOpens atomic.Uint64
 	// Reads counts READ requests that reached this process: zero while passthrough
-	// serves every open file.
+	// serves every open file; in NoOpen mode, one per page-cache miss.
 	Reads atomic.Uint64
 	// Readlinks counts symlink targets served.
 	Readlinks atomic.Uint64

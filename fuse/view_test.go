@@ -211,12 +211,7 @@ func TestGoTreeMatchesSource(t *testing.T) {
 
 	t.Run("noopen", func(t *testing.T) {
 		v := mount(t, s, root, Options{NoOpen: true, UID: testUID, GID: testGID, Mtime: mtime})
-		if !v.NoOpenActive() {
-			t.Skip("kernel lacks no-open support")
-		}
-		if v.PassthroughActive() {
-			t.Fatal("passthrough active in NoOpen mode")
-		}
+		requireOpenMode(t, v, true)
 		files := compareTree(t, goSrc, v.Dir(), testUID, testGID, mtime)
 		st := v.Stats()
 		if st.Opens.Load() != 0 {
@@ -226,13 +221,15 @@ func TestGoTreeMatchesSource(t *testing.T) {
 		if reads == 0 {
 			t.Fatalf("no READ requests reached the server for %d files", files)
 		}
-		// The page cache outlives the opens: a second pass reads nothing.
+		// The page cache outlives the opens: a second pass reads next to nothing
+		// (TestWarmPassRequests checks for nothing at all: over the whole tree, the
+		// odd page the kernel evicts by itself would make that flaky).
 		size := readTree(t, goSrc, make([]byte, 256<<10))
 		if got := readTree(t, v.Dir(), make([]byte, 256<<10)); got != size {
 			t.Errorf("second pass read %d bytes, want %d", got, size)
 		}
-		if got := st.Reads.Load(); got != reads {
-			t.Errorf("second pass: %d READ requests reached the server, want 0", got-reads)
+		if got := st.Reads.Load() - reads; got > reads/100 {
+			t.Errorf("second pass: %d READ requests reached the server (first pass: %d)", got, reads)
 		}
 		if out, err := runAs(t, testUID, testGID, "diff", "-r", "-q", goSrc, v.Dir()); err != nil {
 			t.Errorf("diff -r as uid %d: %v\n%s", testUID, err, out)
@@ -447,30 +444,38 @@ func cachedFiles(v *View) int {
 // workloads: shared while the kernel holds the inode, closed when it forgets it and
 // at unmount, and not kept at all once the process budget is spent.
 func TestObjectFilesAreReleased(t *testing.T) {
-	requireRoot(t)
+	forEachOpenMode(t, testObjectFilesAreReleased)
+}
+
+func testObjectFilesAreReleased(t *testing.T, noOpen bool) {
 	s := newStore(t)
 	root := ingestTree(t, s, writeFixture(t))
 	files := []string{"README.md", "src/main.go", "src/util/strings.go", "src/util/same-a.txt", "src/util/same-b.txt", "bin/run.sh", "big.bin", "empty"}
+	want := len(files)
+	if noOpen {
+		want-- // the kernel never reads an empty file, so its object is never opened
+	}
 	before := openFDs(t)
-	v, err := Mount(t.Context(), s, root, sharedDir(t), Options{})
+	v, err := Mount(t.Context(), s, root, sharedDir(t), Options{NoOpen: noOpen})
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { v.Unmount() })
+	requireOpenMode(t, v, noOpen)
 	for range 3 {
 		for _, f := range files {
 			readString(t, filepath.Join(v.Dir(), f))
 		}
 	}
-	if got := cachedFiles(v); got != len(files) {
-		t.Errorf("%d files keep an object open, want %d (one per file, shared by opens)", got, len(files))
+	if got := cachedFiles(v); got != want {
+		t.Errorf("%d files keep an object open, want %d (one per file, shared by opens and reads)", got, want)
 	}
 	// The kernel forgetting an inode closes its object file.
 	if errno := v.top.NotifyEntry("README.md"); errno != 0 {
 		t.Fatalf("notify: %v", errno)
 	}
 	deadline := time.Now().Add(10 * time.Second)
-	for cachedFiles(v) != len(files)-1 {
+	for cachedFiles(v) != want-1 {
 		if time.Now().After(deadline) {
 			t.Fatalf("%d cached after the kernel forgot README.md", cachedFiles(v))
 		}
@@ -486,18 +491,33 @@ func TestObjectFilesAreReleased(t *testing.T) {
 		t.Errorf("%d descriptors open after unmount, %d before", after, before)
 	}
 
-	// With the budget spent, every open gets (and releases) its own descriptor.
+	// With the budget spent, every open (or, in NoOpen mode, every read) gets and
+	// releases its own descriptor.
 	saved := openBudget.max
 	openBudget.max = openBudget.used.Load()
 	t.Cleanup(func() { openBudget.max = saved })
-	v2 := mount(t, s, root, Options{DisablePassthrough: true})
+	v2, err := Mount(t.Context(), s, root, sharedDir(t), Options{DisablePassthrough: true, NoOpen: noOpen})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { v2.Unmount() })
 	for _, f := range files {
 		readString(t, filepath.Join(v2.Dir(), f))
 	}
 	if got := cachedFiles(v2); got != 0 {
 		t.Errorf("%d files cached over budget", got)
 	}
-	if got := readString(t, filepath.Join(v2.Dir(), "big.bin")); len(got) != 1<<20 {
-		t.Errorf("big.bin over budget: %d bytes", len(got))
+	want1M, err := os.ReadFile(s.Path(lookupHash(t, s, root, "big.bin").Hash))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := readString(t, filepath.Join(v2.Dir(), "big.bin")); got != string(want1M) {
+		t.Errorf("big.bin over budget: %d bytes, want the object's %d", len(got), len(want1M))
+	}
+	if err := v2.Unmount(); err != nil {
+		t.Fatal(err)
+	}
+	if after := openFDs(t); after != before {
+		t.Errorf("%d descriptors open after unmounting the view over budget, %d before", after, before)
 	}
 }

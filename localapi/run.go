@@ -106,3 +106,6 @@ func (c *Client) ListPools(ctx context.Context) ([]*apiv1.PoolStatus, error) {
 	}
 	return r.GetPools(), nil
 }
+
+// Pools returns the raw pools client, for the runtime shim's adoption calls.
+func (c *Client) Pools() apiv1.PoolsClient { return apiv1.NewPoolsClient(c.conn) }

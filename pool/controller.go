@@ -57,9 +57,10 @@ type Controller struct {
 
 	pools map[string]*Pool
 
-	mu     sync.Mutex
-	client *containerd.Client
-	ready  chan struct{} // closed once connected and reconciled
+	mu        sync.Mutex
+	client    *containerd.Client
+	adoptions map[string]*adopted // by member id
+	ready     chan struct{}       // closed once connected and reconciled
 
 	cancel context.CancelFunc
 	wg     sync.WaitGroup
@@ -201,6 +202,11 @@ func (c *Controller) waitReady(ctx context.Context) error {
 	}
 }
 
+// nsContext puts the members' containerd namespace on a caller's context.
+func (c *Controller) nsContext(ctx context.Context) context.Context {
+	return namespaces.WithNamespace(ctx, c.cfg.Namespace)
+}
+
 func (c *Controller) containerd() *containerd.Client {
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -230,6 +236,25 @@ func (c *Controller) reconcile(ctx context.Context) {
 			logger.Info("pools: destroying a member of a pool that is no longer configured")
 			c.destroyContainer(ctx, ctr)
 			continue
+		}
+		if by := labels[LabelAdoptedBy]; by != "" {
+			// A container's shim drives this member through us; take up the
+			// bookkeeping so its calls (wait, kill, release) work again.
+			if m, err := p.reattach(ctx, ctr, labels); err == nil {
+				ad := &adopted{m: m, container: by, done: make(chan struct{})}
+				ad.watch()
+				c.mu.Lock()
+				if c.adoptions == nil {
+					c.adoptions = map[string]*adopted{}
+				}
+				c.adoptions[m.id] = ad
+				c.mu.Unlock()
+				p.mu.Lock()
+				p.claimed++
+				p.mu.Unlock()
+				logger.WithField("container", by).Info("pools: re-attached a member adopted by a container")
+				continue
+			}
 		}
 		m, err := p.adopt(ctx, ctr, labels)
 		if err != nil {

@@ -320,6 +320,18 @@ func (p *Pool) adopt(ctx context.Context, ctr containerd.Container, labels map[s
 	if labels[LabelState] != stateClaimed {
 		return nil, fmt.Errorf("its fork view was served by the previous tidepoold")
 	}
+	m, err := p.reattach(ctx, ctr, labels)
+	if err != nil {
+		return nil, err
+	}
+	if err := m.describe(ctx); err != nil {
+		return nil, err
+	}
+	return m, nil
+}
+
+// reattach rebuilds a member's record from its container and task.
+func (p *Pool) reattach(ctx context.Context, ctr containerd.Container, labels map[string]string) (*Member, error) {
 	created, _ := strconv.ParseInt(labels[LabelCreated], 10, 64)
 	m := &Member{id: ctr.ID(), pool: p, created: time.Unix(created, 0), dir: filepath.Join(p.c.cfg.StateDir, ctr.ID()), container: ctr}
 	task, err := ctr.Task(ctx, nil)
@@ -329,9 +341,6 @@ func (p *Pool) adopt(ctx context.Context, ctr containerd.Container, labels map[s
 	m.task = task
 	if m.exited, err = task.Wait(ctx); err != nil {
 		return nil, fmt.Errorf("wait for member task: %w", err)
-	}
-	if err := m.describe(ctx); err != nil {
-		return nil, err
 	}
 	return m, nil
 }

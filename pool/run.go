@@ -56,6 +56,7 @@ const claimAttempts = 3
 // descriptors, thaws the member, relays stdio until the workload exits, commits its
 // changes to the fork and destroys the member.
 func (c *Controller) Run(ctx context.Context, spec RunSpec, rio RunIO) (RunResult, error) {
+	ctx = c.nsContext(ctx)
 	var res RunResult
 	p, err := c.pool(spec.Pool)
 	if err != nil {

@@ -79,8 +79,8 @@ func (t *Template) annotations(memberID string) map[string]string {
 		// Each member has a shim of its own: a shim serving a group exits when its
 		// last container goes, and a pool that drains would race a new member's
 		// create against that exit.
+		// (Not dev.tidepool.pool: that is how a container asks to adopt a member.)
 		shim.AnnotationRuntime: t.Runtime,
-		LabelPool:              t.Name,
 		LabelMember:            memberID,
 	}
 }

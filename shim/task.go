@@ -7,10 +7,12 @@ import (
 	"sync"
 	"time"
 
+	eventstypes "github.com/containerd/containerd/api/events"
 	taskapi "github.com/containerd/containerd/api/runtime/task/v3"
 	"github.com/containerd/containerd/api/types"
 	"github.com/containerd/containerd/api/types/runc/options"
 	"github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2/task"
+	"github.com/containerd/containerd/v2/core/runtime"
 	"github.com/containerd/containerd/v2/pkg/oci"
 	"github.com/containerd/containerd/v2/pkg/shim"
 	"github.com/containerd/containerd/v2/pkg/shutdown"
@@ -52,7 +54,7 @@ func RegisterTaskPlugin() {
 			if err != nil {
 				return nil, err
 			}
-			return &TaskService{TTRPCTaskService: local}, nil
+			return &TaskService{TTRPCTaskService: local, publisher: pp.(shim.Publisher)}, nil
 		},
 	})
 }
@@ -61,9 +63,12 @@ func RegisterTaskPlugin() {
 type TaskService struct {
 	taskapi.TTRPCTaskService
 
+	publisher shim.Publisher
+
 	mu      sync.Mutex
 	clients map[string]*localapi.Client // by API address
 	bundles map[string]string           // container id -> bundle, for Delete
+	adopted map[string]*adoptedTask     // containers running in warm pool members
 }
 
 func (s *TaskService) bundle(id string) (string, bool) {
@@ -100,6 +105,25 @@ func (s *TaskService) Create(ctx context.Context, r *taskapi.CreateTaskRequest) 
 	if r.Options, err = runcOptions(r.Options, route); err != nil {
 		return nil, err
 	}
+	if _, ok := spec.Annotations[AnnotationPool]; ok {
+		t, err := s.adopt(ctx, cfg, name, spec, r)
+		if err != nil {
+			return nil, err
+		}
+		if t != nil {
+			s.mu.Lock()
+			if s.adopted == nil {
+				s.adopted = map[string]*adoptedTask{}
+			}
+			s.adopted[r.ID] = t
+			s.mu.Unlock()
+			s.publish(ctx, runtime.TaskCreateEventTopic, &eventstypes.TaskCreate{
+				ContainerID: r.ID, Bundle: r.Bundle, Rootfs: r.Rootfs, Pid: t.pid,
+				IO: &eventstypes.TaskIO{Stdin: r.Stdin, Stdout: r.Stdout, Stderr: r.Stderr, Terminal: r.Terminal},
+			})
+			return &taskapi.CreateTaskResponse{Pid: t.pid}, nil
+		}
+	}
 	if err := s.bindFork(ctx, cfg, spec, r); err != nil {
 		return nil, err
 	}
@@ -126,6 +150,9 @@ func (s *TaskService) Create(ctx context.Context, r *taskapi.CreateTaskRequest) 
 
 // Delete releases what Create made for the container besides what runc made.
 func (s *TaskService) Delete(ctx context.Context, r *taskapi.DeleteRequest) (*taskapi.DeleteResponse, error) {
+	if t := s.adoptedTask(r.ID); t != nil && r.ExecID == "" {
+		return s.deleteAdopted(ctx, t)
+	}
 	resp, err := s.TTRPCTaskService.Delete(ctx, r)
 	if err == nil && r.ExecID == "" {
 		if b, ok := s.bundle(r.ID); ok {

@@ -23,6 +23,9 @@ type ViewHost interface {
 	// Bind gives an unbound view its tree. It fails if anything looked up the
 	// workdir in the view before, because an overlay above it may have cached that.
 	Bind(ctx context.Context, dir string, root casstore.Hash) error
+	// Tainted reports whether the workdir in the view at dir was looked up while the
+	// view was unbound.
+	Tainted(dir string) (bool, error)
 	// Mounted reports whether a live view is served at dir.
 	Mounted(ctx context.Context, dir string) bool
 	// Unmount stops serving dir and detaches it; a dir that is not mounted is fine.

@@ -1115,6 +1115,412 @@ func (x *InfoResponse) GetPid() int32 {
 	return 0
 }
 
+type AdoptRequest struct {
+	state       protoimpl.MessageState `protogen:"open.v1"`
+	Pool        string                 `protobuf:"bytes,1,opt,name=pool,proto3" json:"pool,omitempty"`
+	ContainerId string                 `protobuf:"bytes,2,opt,name=container_id,json=containerId,proto3" json:"container_id,omitempty"`
+	// rootfs identifies the container's tidepool snapshot.
+	Rootfs []*Mount `protobuf:"bytes,3,rep,name=rootfs,proto3" json:"rootfs,omitempty"`
+	// spec is the container's OCI config.json.
+	Spec    []byte `protobuf:"bytes,4,opt,name=spec,proto3" json:"spec,omitempty"`
+	Fork    string `protobuf:"bytes,5,opt,name=fork,proto3" json:"fork,omitempty"`
+	Workdir string `protobuf:"bytes,6,opt,name=workdir,proto3" json:"workdir,omitempty"`
+	Owner   string `protobuf:"bytes,7,opt,name=owner,proto3" json:"owner,omitempty"`
+	Discard bool   `protobuf:"varint,8,opt,name=discard,proto3" json:"discard,omitempty"`
+	// runtime is the shim route the container resolved to (dev.tidepool.runtime or
+	// the shim's default).
+	Runtime       string `protobuf:"bytes,9,opt,name=runtime,proto3" json:"runtime,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *AdoptRequest) Reset() {
+	*x = AdoptRequest{}
+	mi := &file_tidepool_proto_msgTypes[18]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *AdoptRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*AdoptRequest) ProtoMessage() {}
+
+func (x *AdoptRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_tidepool_proto_msgTypes[18]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use AdoptRequest.ProtoReflect.Descriptor instead.
+func (*AdoptRequest) Descriptor() ([]byte, []int) {
+	return file_tidepool_proto_rawDescGZIP(), []int{18}
+}
+
+func (x *AdoptRequest) GetPool() string {
+	if x != nil {
+		return x.Pool
+	}
+	return ""
+}
+
+func (x *AdoptRequest) GetContainerId() string {
+	if x != nil {
+		return x.ContainerId
+	}
+	return ""
+}
+
+func (x *AdoptRequest) GetRootfs() []*Mount {
+	if x != nil {
+		return x.Rootfs
+	}
+	return nil
+}
+
+func (x *AdoptRequest) GetSpec() []byte {
+	if x != nil {
+		return x.Spec
+	}
+	return nil
+}
+
+func (x *AdoptRequest) GetFork() string {
+	if x != nil {
+		return x.Fork
+	}
+	return ""
+}
+
+func (x *AdoptRequest) GetWorkdir() string {
+	if x != nil {
+		return x.Workdir
+	}
+	return ""
+}
+
+func (x *AdoptRequest) GetOwner() string {
+	if x != nil {
+		return x.Owner
+	}
+	return ""
+}
+
+func (x *AdoptRequest) GetDiscard() bool {
+	if x != nil {
+		return x.Discard
+	}
+	return false
+}
+
+func (x *AdoptRequest) GetRuntime() string {
+	if x != nil {
+		return x.Runtime
+	}
+	return ""
+}
+
+type AdoptResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// cold_reason is set when the container is not eligible and must start cold.
+	ColdReason string `protobuf:"bytes,1,opt,name=cold_reason,json=coldReason,proto3" json:"cold_reason,omitempty"`
+	Member     string `protobuf:"bytes,2,opt,name=member,proto3" json:"member,omitempty"`
+	Pid        uint32 `protobuf:"varint,3,opt,name=pid,proto3" json:"pid,omitempty"`
+	// control_socket is the member holder's socket, to hand it the workload.
+	ControlSocket string `protobuf:"bytes,4,opt,name=control_socket,json=controlSocket,proto3" json:"control_socket,omitempty"`
+	ForkId        string `protobuf:"bytes,5,opt,name=fork_id,json=forkId,proto3" json:"fork_id,omitempty"`
+	Root          string `protobuf:"bytes,6,opt,name=root,proto3" json:"root,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *AdoptResponse) Reset() {
+	*x = AdoptResponse{}
+	mi := &file_tidepool_proto_msgTypes[19]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *AdoptResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*AdoptResponse) ProtoMessage() {}
+
+func (x *AdoptResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_tidepool_proto_msgTypes[19]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use AdoptResponse.ProtoReflect.Descriptor instead.
+func (*AdoptResponse) Descriptor() ([]byte, []int) {
+	return file_tidepool_proto_rawDescGZIP(), []int{19}
+}
+
+func (x *AdoptResponse) GetColdReason() string {
+	if x != nil {
+		return x.ColdReason
+	}
+	return ""
+}
+
+func (x *AdoptResponse) GetMember() string {
+	if x != nil {
+		return x.Member
+	}
+	return ""
+}
+
+func (x *AdoptResponse) GetPid() uint32 {
+	if x != nil {
+		return x.Pid
+	}
+	return 0
+}
+
+func (x *AdoptResponse) GetControlSocket() string {
+	if x != nil {
+		return x.ControlSocket
+	}
+	return ""
+}
+
+func (x *AdoptResponse) GetForkId() string {
+	if x != nil {
+		return x.ForkId
+	}
+	return ""
+}
+
+func (x *AdoptResponse) GetRoot() string {
+	if x != nil {
+		return x.Root
+	}
+	return ""
+}
+
+type MemberRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Member        string                 `protobuf:"bytes,1,opt,name=member,proto3" json:"member,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *MemberRequest) Reset() {
+	*x = MemberRequest{}
+	mi := &file_tidepool_proto_msgTypes[20]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *MemberRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*MemberRequest) ProtoMessage() {}
+
+func (x *MemberRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_tidepool_proto_msgTypes[20]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use MemberRequest.ProtoReflect.Descriptor instead.
+func (*MemberRequest) Descriptor() ([]byte, []int) {
+	return file_tidepool_proto_rawDescGZIP(), []int{20}
+}
+
+func (x *MemberRequest) GetMember() string {
+	if x != nil {
+		return x.Member
+	}
+	return ""
+}
+
+type SignalMemberRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Member        string                 `protobuf:"bytes,1,opt,name=member,proto3" json:"member,omitempty"`
+	Signal        uint32                 `protobuf:"varint,2,opt,name=signal,proto3" json:"signal,omitempty"`
+	All           bool                   `protobuf:"varint,3,opt,name=all,proto3" json:"all,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *SignalMemberRequest) Reset() {
+	*x = SignalMemberRequest{}
+	mi := &file_tidepool_proto_msgTypes[21]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SignalMemberRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SignalMemberRequest) ProtoMessage() {}
+
+func (x *SignalMemberRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_tidepool_proto_msgTypes[21]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SignalMemberRequest.ProtoReflect.Descriptor instead.
+func (*SignalMemberRequest) Descriptor() ([]byte, []int) {
+	return file_tidepool_proto_rawDescGZIP(), []int{21}
+}
+
+func (x *SignalMemberRequest) GetMember() string {
+	if x != nil {
+		return x.Member
+	}
+	return ""
+}
+
+func (x *SignalMemberRequest) GetSignal() uint32 {
+	if x != nil {
+		return x.Signal
+	}
+	return 0
+}
+
+func (x *SignalMemberRequest) GetAll() bool {
+	if x != nil {
+		return x.All
+	}
+	return false
+}
+
+type PauseMemberRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Member        string                 `protobuf:"bytes,1,opt,name=member,proto3" json:"member,omitempty"`
+	Pause         bool                   `protobuf:"varint,2,opt,name=pause,proto3" json:"pause,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *PauseMemberRequest) Reset() {
+	*x = PauseMemberRequest{}
+	mi := &file_tidepool_proto_msgTypes[22]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PauseMemberRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PauseMemberRequest) ProtoMessage() {}
+
+func (x *PauseMemberRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_tidepool_proto_msgTypes[22]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PauseMemberRequest.ProtoReflect.Descriptor instead.
+func (*PauseMemberRequest) Descriptor() ([]byte, []int) {
+	return file_tidepool_proto_rawDescGZIP(), []int{22}
+}
+
+func (x *PauseMemberRequest) GetMember() string {
+	if x != nil {
+		return x.Member
+	}
+	return ""
+}
+
+func (x *PauseMemberRequest) GetPause() bool {
+	if x != nil {
+		return x.Pause
+	}
+	return false
+}
+
+type WaitMemberResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	ExitStatus    uint32                 `protobuf:"varint,1,opt,name=exit_status,json=exitStatus,proto3" json:"exit_status,omitempty"`
+	ExitedAt      *timestamppb.Timestamp `protobuf:"bytes,2,opt,name=exited_at,json=exitedAt,proto3" json:"exited_at,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *WaitMemberResponse) Reset() {
+	*x = WaitMemberResponse{}
+	mi := &file_tidepool_proto_msgTypes[23]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *WaitMemberResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*WaitMemberResponse) ProtoMessage() {}
+
+func (x *WaitMemberResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_tidepool_proto_msgTypes[23]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use WaitMemberResponse.ProtoReflect.Descriptor instead.
+func (*WaitMemberResponse) Descriptor() ([]byte, []int) {
+	return file_tidepool_proto_rawDescGZIP(), []int{23}
+}
+
+func (x *WaitMemberResponse) GetExitStatus() uint32 {
+	if x != nil {
+		return x.ExitStatus
+	}
+	return 0
+}
+
+func (x *WaitMemberResponse) GetExitedAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.ExitedAt
+	}
+	return nil
+}
+
 type RunStart struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	Pool  string                 `protobuf:"bytes,1,opt,name=pool,proto3" json:"pool,omitempty"`
@@ -1130,7 +1536,7 @@ type RunStart struct {
 
 func (x *RunStart) Reset() {
 	*x = RunStart{}
-	mi := &file_tidepool_proto_msgTypes[18]
+	mi := &file_tidepool_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1142,7 +1548,7 @@ func (x *RunStart) String() string {
 func (*RunStart) ProtoMessage() {}
 
 func (x *RunStart) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[18]
+	mi := &file_tidepool_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1155,7 +1561,7 @@ func (x *RunStart) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RunStart.ProtoReflect.Descriptor instead.
 func (*RunStart) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{18}
+	return file_tidepool_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *RunStart) GetPool() string {
@@ -1215,7 +1621,7 @@ type RunRequest struct {
 
 func (x *RunRequest) Reset() {
 	*x = RunRequest{}
-	mi := &file_tidepool_proto_msgTypes[19]
+	mi := &file_tidepool_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1227,7 +1633,7 @@ func (x *RunRequest) String() string {
 func (*RunRequest) ProtoMessage() {}
 
 func (x *RunRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[19]
+	mi := &file_tidepool_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1240,7 +1646,7 @@ func (x *RunRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RunRequest.ProtoReflect.Descriptor instead.
 func (*RunRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{19}
+	return file_tidepool_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *RunRequest) GetMsg() isRunRequest_Msg {
@@ -1329,7 +1735,7 @@ type RunExit struct {
 
 func (x *RunExit) Reset() {
 	*x = RunExit{}
-	mi := &file_tidepool_proto_msgTypes[20]
+	mi := &file_tidepool_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1341,7 +1747,7 @@ func (x *RunExit) String() string {
 func (*RunExit) ProtoMessage() {}
 
 func (x *RunExit) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[20]
+	mi := &file_tidepool_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1354,7 +1760,7 @@ func (x *RunExit) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RunExit.ProtoReflect.Descriptor instead.
 func (*RunExit) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{20}
+	return file_tidepool_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *RunExit) GetStatus() int32 {
@@ -1407,7 +1813,7 @@ type RunResponse struct {
 
 func (x *RunResponse) Reset() {
 	*x = RunResponse{}
-	mi := &file_tidepool_proto_msgTypes[21]
+	mi := &file_tidepool_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1419,7 +1825,7 @@ func (x *RunResponse) String() string {
 func (*RunResponse) ProtoMessage() {}
 
 func (x *RunResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[21]
+	mi := &file_tidepool_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1432,7 +1838,7 @@ func (x *RunResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RunResponse.ProtoReflect.Descriptor instead.
 func (*RunResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{21}
+	return file_tidepool_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *RunResponse) GetMsg() isRunResponse_Msg {
@@ -1515,7 +1921,7 @@ type ListPoolsRequest struct {
 
 func (x *ListPoolsRequest) Reset() {
 	*x = ListPoolsRequest{}
-	mi := &file_tidepool_proto_msgTypes[22]
+	mi := &file_tidepool_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1527,7 +1933,7 @@ func (x *ListPoolsRequest) String() string {
 func (*ListPoolsRequest) ProtoMessage() {}
 
 func (x *ListPoolsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[22]
+	mi := &file_tidepool_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1540,7 +1946,7 @@ func (x *ListPoolsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListPoolsRequest.ProtoReflect.Descriptor instead.
 func (*ListPoolsRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{22}
+	return file_tidepool_proto_rawDescGZIP(), []int{28}
 }
 
 type PoolStatus struct {
@@ -1559,7 +1965,7 @@ type PoolStatus struct {
 
 func (x *PoolStatus) Reset() {
 	*x = PoolStatus{}
-	mi := &file_tidepool_proto_msgTypes[23]
+	mi := &file_tidepool_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1571,7 +1977,7 @@ func (x *PoolStatus) String() string {
 func (*PoolStatus) ProtoMessage() {}
 
 func (x *PoolStatus) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[23]
+	mi := &file_tidepool_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1584,7 +1990,7 @@ func (x *PoolStatus) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PoolStatus.ProtoReflect.Descriptor instead.
 func (*PoolStatus) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{23}
+	return file_tidepool_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *PoolStatus) GetName() string {
@@ -1652,7 +2058,7 @@ type ListPoolsResponse struct {
 
 func (x *ListPoolsResponse) Reset() {
 	*x = ListPoolsResponse{}
-	mi := &file_tidepool_proto_msgTypes[24]
+	mi := &file_tidepool_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1664,7 +2070,7 @@ func (x *ListPoolsResponse) String() string {
 func (*ListPoolsResponse) ProtoMessage() {}
 
 func (x *ListPoolsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[24]
+	mi := &file_tidepool_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1677,7 +2083,7 @@ func (x *ListPoolsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListPoolsResponse.ProtoReflect.Descriptor instead.
 func (*ListPoolsResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{24}
+	return file_tidepool_proto_rawDescGZIP(), []int{30}
 }
 
 func (x *ListPoolsResponse) GetPools() []*PoolStatus {
@@ -1770,7 +2176,38 @@ const file_tidepool_proto_rawDesc = "" +
 	"\x04root\x18\x02 \x01(\tR\x04root\x12\x14\n" +
 	"\x05store\x18\x03 \x01(\tR\x05store\x12/\n" +
 	"\x13snapshotter_address\x18\x04 \x01(\tR\x12snapshotterAddress\x12\x10\n" +
-	"\x03pid\x18\x05 \x01(\x05R\x03pid\"\x8c\x01\n" +
+	"\x03pid\x18\x05 \x01(\x05R\x03pid\"\x81\x02\n" +
+	"\fAdoptRequest\x12\x12\n" +
+	"\x04pool\x18\x01 \x01(\tR\x04pool\x12!\n" +
+	"\fcontainer_id\x18\x02 \x01(\tR\vcontainerId\x12.\n" +
+	"\x06rootfs\x18\x03 \x03(\v2\x16.tidepool.api.v1.MountR\x06rootfs\x12\x12\n" +
+	"\x04spec\x18\x04 \x01(\fR\x04spec\x12\x12\n" +
+	"\x04fork\x18\x05 \x01(\tR\x04fork\x12\x18\n" +
+	"\aworkdir\x18\x06 \x01(\tR\aworkdir\x12\x14\n" +
+	"\x05owner\x18\a \x01(\tR\x05owner\x12\x18\n" +
+	"\adiscard\x18\b \x01(\bR\adiscard\x12\x18\n" +
+	"\aruntime\x18\t \x01(\tR\aruntime\"\xae\x01\n" +
+	"\rAdoptResponse\x12\x1f\n" +
+	"\vcold_reason\x18\x01 \x01(\tR\n" +
+	"coldReason\x12\x16\n" +
+	"\x06member\x18\x02 \x01(\tR\x06member\x12\x10\n" +
+	"\x03pid\x18\x03 \x01(\rR\x03pid\x12%\n" +
+	"\x0econtrol_socket\x18\x04 \x01(\tR\rcontrolSocket\x12\x17\n" +
+	"\afork_id\x18\x05 \x01(\tR\x06forkId\x12\x12\n" +
+	"\x04root\x18\x06 \x01(\tR\x04root\"'\n" +
+	"\rMemberRequest\x12\x16\n" +
+	"\x06member\x18\x01 \x01(\tR\x06member\"W\n" +
+	"\x13SignalMemberRequest\x12\x16\n" +
+	"\x06member\x18\x01 \x01(\tR\x06member\x12\x16\n" +
+	"\x06signal\x18\x02 \x01(\rR\x06signal\x12\x10\n" +
+	"\x03all\x18\x03 \x01(\bR\x03all\"B\n" +
+	"\x12PauseMemberRequest\x12\x16\n" +
+	"\x06member\x18\x01 \x01(\tR\x06member\x12\x14\n" +
+	"\x05pause\x18\x02 \x01(\bR\x05pause\"n\n" +
+	"\x12WaitMemberResponse\x12\x1f\n" +
+	"\vexit_status\x18\x01 \x01(\rR\n" +
+	"exitStatus\x127\n" +
+	"\texited_at\x18\x02 \x01(\v2\x1a.google.protobuf.TimestampR\bexitedAt\"\x8c\x01\n" +
 	"\bRunStart\x12\x12\n" +
 	"\x04pool\x18\x01 \x01(\tR\x04pool\x12\x12\n" +
 	"\x04fork\x18\x02 \x01(\tR\x04fork\x12\x10\n" +
@@ -1822,10 +2259,17 @@ const file_tidepool_proto_rawDesc = "" +
 	"\x04Bind\x12\x1c.tidepool.api.v1.BindRequest\x1a\x1d.tidepool.api.v1.BindResponse\x12U\n" +
 	"\x04List\x12%.tidepool.api.v1.ListSnapshotsRequest\x1a&.tidepool.api.v1.ListSnapshotsResponse2M\n" +
 	"\x06Daemon\x12C\n" +
-	"\x04Info\x12\x1c.tidepool.api.v1.InfoRequest\x1a\x1d.tidepool.api.v1.InfoResponse2\x9c\x01\n" +
+	"\x04Info\x12\x1c.tidepool.api.v1.InfoRequest\x1a\x1d.tidepool.api.v1.InfoResponse2\xe1\x04\n" +
 	"\x05Pools\x12D\n" +
 	"\x03Run\x12\x1b.tidepool.api.v1.RunRequest\x1a\x1c.tidepool.api.v1.RunResponse(\x010\x01\x12M\n" +
-	"\x04List\x12!.tidepool.api.v1.ListPoolsRequest\x1a\".tidepool.api.v1.ListPoolsResponseB/Z-github.com/tidepool-dev/tidepool/api/v1;apiv1b\x06proto3"
+	"\x04List\x12!.tidepool.api.v1.ListPoolsRequest\x1a\".tidepool.api.v1.ListPoolsResponse\x12F\n" +
+	"\x05Adopt\x12\x1d.tidepool.api.v1.AdoptRequest\x1a\x1e.tidepool.api.v1.AdoptResponse\x12E\n" +
+	"\vStartMember\x12\x1e.tidepool.api.v1.MemberRequest\x1a\x16.google.protobuf.Empty\x12L\n" +
+	"\fSignalMember\x12$.tidepool.api.v1.SignalMemberRequest\x1a\x16.google.protobuf.Empty\x12J\n" +
+	"\vPauseMember\x12#.tidepool.api.v1.PauseMemberRequest\x1a\x16.google.protobuf.Empty\x12Q\n" +
+	"\n" +
+	"WaitMember\x12\x1e.tidepool.api.v1.MemberRequest\x1a#.tidepool.api.v1.WaitMemberResponse\x12G\n" +
+	"\rReleaseMember\x12\x1e.tidepool.api.v1.MemberRequest\x1a\x16.google.protobuf.EmptyB/Z-github.com/tidepool-dev/tidepool/api/v1;apiv1b\x06proto3"
 
 var (
 	file_tidepool_proto_rawDescOnce sync.Once
@@ -1839,7 +2283,7 @@ func file_tidepool_proto_rawDescGZIP() []byte {
 	return file_tidepool_proto_rawDescData
 }
 
-var file_tidepool_proto_msgTypes = make([]protoimpl.MessageInfo, 27)
+var file_tidepool_proto_msgTypes = make([]protoimpl.MessageInfo, 33)
 var file_tidepool_proto_goTypes = []any{
 	(*Fork)(nil),                  // 0: tidepool.api.v1.Fork
 	(*Revision)(nil),              // 1: tidepool.api.v1.Revision
@@ -1859,62 +2303,82 @@ var file_tidepool_proto_goTypes = []any{
 	(*ListSnapshotsResponse)(nil), // 15: tidepool.api.v1.ListSnapshotsResponse
 	(*InfoRequest)(nil),           // 16: tidepool.api.v1.InfoRequest
 	(*InfoResponse)(nil),          // 17: tidepool.api.v1.InfoResponse
-	(*RunStart)(nil),              // 18: tidepool.api.v1.RunStart
-	(*RunRequest)(nil),            // 19: tidepool.api.v1.RunRequest
-	(*RunExit)(nil),               // 20: tidepool.api.v1.RunExit
-	(*RunResponse)(nil),           // 21: tidepool.api.v1.RunResponse
-	(*ListPoolsRequest)(nil),      // 22: tidepool.api.v1.ListPoolsRequest
-	(*PoolStatus)(nil),            // 23: tidepool.api.v1.PoolStatus
-	(*ListPoolsResponse)(nil),     // 24: tidepool.api.v1.ListPoolsResponse
-	nil,                           // 25: tidepool.api.v1.Fork.LabelsEntry
-	nil,                           // 26: tidepool.api.v1.CreateForkRequest.LabelsEntry
-	(*timestamppb.Timestamp)(nil), // 27: google.protobuf.Timestamp
-	(*durationpb.Duration)(nil),   // 28: google.protobuf.Duration
-	(*emptypb.Empty)(nil),         // 29: google.protobuf.Empty
+	(*AdoptRequest)(nil),          // 18: tidepool.api.v1.AdoptRequest
+	(*AdoptResponse)(nil),         // 19: tidepool.api.v1.AdoptResponse
+	(*MemberRequest)(nil),         // 20: tidepool.api.v1.MemberRequest
+	(*SignalMemberRequest)(nil),   // 21: tidepool.api.v1.SignalMemberRequest
+	(*PauseMemberRequest)(nil),    // 22: tidepool.api.v1.PauseMemberRequest
+	(*WaitMemberResponse)(nil),    // 23: tidepool.api.v1.WaitMemberResponse
+	(*RunStart)(nil),              // 24: tidepool.api.v1.RunStart
+	(*RunRequest)(nil),            // 25: tidepool.api.v1.RunRequest
+	(*RunExit)(nil),               // 26: tidepool.api.v1.RunExit
+	(*RunResponse)(nil),           // 27: tidepool.api.v1.RunResponse
+	(*ListPoolsRequest)(nil),      // 28: tidepool.api.v1.ListPoolsRequest
+	(*PoolStatus)(nil),            // 29: tidepool.api.v1.PoolStatus
+	(*ListPoolsResponse)(nil),     // 30: tidepool.api.v1.ListPoolsResponse
+	nil,                           // 31: tidepool.api.v1.Fork.LabelsEntry
+	nil,                           // 32: tidepool.api.v1.CreateForkRequest.LabelsEntry
+	(*timestamppb.Timestamp)(nil), // 33: google.protobuf.Timestamp
+	(*durationpb.Duration)(nil),   // 34: google.protobuf.Duration
+	(*emptypb.Empty)(nil),         // 35: google.protobuf.Empty
 }
 var file_tidepool_proto_depIdxs = []int32{
-	27, // 0: tidepool.api.v1.Fork.created:type_name -> google.protobuf.Timestamp
-	27, // 1: tidepool.api.v1.Fork.updated:type_name -> google.protobuf.Timestamp
-	28, // 2: tidepool.api.v1.Fork.ttl:type_name -> google.protobuf.Duration
-	25, // 3: tidepool.api.v1.Fork.labels:type_name -> tidepool.api.v1.Fork.LabelsEntry
+	33, // 0: tidepool.api.v1.Fork.created:type_name -> google.protobuf.Timestamp
+	33, // 1: tidepool.api.v1.Fork.updated:type_name -> google.protobuf.Timestamp
+	34, // 2: tidepool.api.v1.Fork.ttl:type_name -> google.protobuf.Duration
+	31, // 3: tidepool.api.v1.Fork.labels:type_name -> tidepool.api.v1.Fork.LabelsEntry
 	1,  // 4: tidepool.api.v1.Fork.history:type_name -> tidepool.api.v1.Revision
-	27, // 5: tidepool.api.v1.Revision.time:type_name -> google.protobuf.Timestamp
-	28, // 6: tidepool.api.v1.CreateForkRequest.ttl:type_name -> google.protobuf.Duration
-	26, // 7: tidepool.api.v1.CreateForkRequest.labels:type_name -> tidepool.api.v1.CreateForkRequest.LabelsEntry
+	33, // 5: tidepool.api.v1.Revision.time:type_name -> google.protobuf.Timestamp
+	34, // 6: tidepool.api.v1.CreateForkRequest.ttl:type_name -> google.protobuf.Duration
+	32, // 7: tidepool.api.v1.CreateForkRequest.labels:type_name -> tidepool.api.v1.CreateForkRequest.LabelsEntry
 	0,  // 8: tidepool.api.v1.ListForksResponse.forks:type_name -> tidepool.api.v1.Fork
 	10, // 9: tidepool.api.v1.BindRequest.rootfs:type_name -> tidepool.api.v1.Mount
 	10, // 10: tidepool.api.v1.BindResponse.mounts:type_name -> tidepool.api.v1.Mount
 	14, // 11: tidepool.api.v1.ListSnapshotsResponse.snapshots:type_name -> tidepool.api.v1.Snapshot
-	18, // 12: tidepool.api.v1.RunRequest.start:type_name -> tidepool.api.v1.RunStart
-	20, // 13: tidepool.api.v1.RunResponse.exit:type_name -> tidepool.api.v1.RunExit
-	23, // 14: tidepool.api.v1.ListPoolsResponse.pools:type_name -> tidepool.api.v1.PoolStatus
-	2,  // 15: tidepool.api.v1.Forks.Create:input_type -> tidepool.api.v1.CreateForkRequest
-	3,  // 16: tidepool.api.v1.Forks.Get:input_type -> tidepool.api.v1.GetForkRequest
-	4,  // 17: tidepool.api.v1.Forks.List:input_type -> tidepool.api.v1.ListForksRequest
-	6,  // 18: tidepool.api.v1.Forks.Remove:input_type -> tidepool.api.v1.RemoveForkRequest
-	7,  // 19: tidepool.api.v1.Forks.Advance:input_type -> tidepool.api.v1.AdvanceForkRequest
-	8,  // 20: tidepool.api.v1.Forks.LiveRoots:input_type -> tidepool.api.v1.LiveRootsRequest
-	11, // 21: tidepool.api.v1.Snapshots.Bind:input_type -> tidepool.api.v1.BindRequest
-	13, // 22: tidepool.api.v1.Snapshots.List:input_type -> tidepool.api.v1.ListSnapshotsRequest
-	16, // 23: tidepool.api.v1.Daemon.Info:input_type -> tidepool.api.v1.InfoRequest
-	19, // 24: tidepool.api.v1.Pools.Run:input_type -> tidepool.api.v1.RunRequest
-	22, // 25: tidepool.api.v1.Pools.List:input_type -> tidepool.api.v1.ListPoolsRequest
-	0,  // 26: tidepool.api.v1.Forks.Create:output_type -> tidepool.api.v1.Fork
-	0,  // 27: tidepool.api.v1.Forks.Get:output_type -> tidepool.api.v1.Fork
-	5,  // 28: tidepool.api.v1.Forks.List:output_type -> tidepool.api.v1.ListForksResponse
-	29, // 29: tidepool.api.v1.Forks.Remove:output_type -> google.protobuf.Empty
-	0,  // 30: tidepool.api.v1.Forks.Advance:output_type -> tidepool.api.v1.Fork
-	9,  // 31: tidepool.api.v1.Forks.LiveRoots:output_type -> tidepool.api.v1.LiveRootsResponse
-	12, // 32: tidepool.api.v1.Snapshots.Bind:output_type -> tidepool.api.v1.BindResponse
-	15, // 33: tidepool.api.v1.Snapshots.List:output_type -> tidepool.api.v1.ListSnapshotsResponse
-	17, // 34: tidepool.api.v1.Daemon.Info:output_type -> tidepool.api.v1.InfoResponse
-	21, // 35: tidepool.api.v1.Pools.Run:output_type -> tidepool.api.v1.RunResponse
-	24, // 36: tidepool.api.v1.Pools.List:output_type -> tidepool.api.v1.ListPoolsResponse
-	26, // [26:37] is the sub-list for method output_type
-	15, // [15:26] is the sub-list for method input_type
-	15, // [15:15] is the sub-list for extension type_name
-	15, // [15:15] is the sub-list for extension extendee
-	0,  // [0:15] is the sub-list for field type_name
+	10, // 12: tidepool.api.v1.AdoptRequest.rootfs:type_name -> tidepool.api.v1.Mount
+	33, // 13: tidepool.api.v1.WaitMemberResponse.exited_at:type_name -> google.protobuf.Timestamp
+	24, // 14: tidepool.api.v1.RunRequest.start:type_name -> tidepool.api.v1.RunStart
+	26, // 15: tidepool.api.v1.RunResponse.exit:type_name -> tidepool.api.v1.RunExit
+	29, // 16: tidepool.api.v1.ListPoolsResponse.pools:type_name -> tidepool.api.v1.PoolStatus
+	2,  // 17: tidepool.api.v1.Forks.Create:input_type -> tidepool.api.v1.CreateForkRequest
+	3,  // 18: tidepool.api.v1.Forks.Get:input_type -> tidepool.api.v1.GetForkRequest
+	4,  // 19: tidepool.api.v1.Forks.List:input_type -> tidepool.api.v1.ListForksRequest
+	6,  // 20: tidepool.api.v1.Forks.Remove:input_type -> tidepool.api.v1.RemoveForkRequest
+	7,  // 21: tidepool.api.v1.Forks.Advance:input_type -> tidepool.api.v1.AdvanceForkRequest
+	8,  // 22: tidepool.api.v1.Forks.LiveRoots:input_type -> tidepool.api.v1.LiveRootsRequest
+	11, // 23: tidepool.api.v1.Snapshots.Bind:input_type -> tidepool.api.v1.BindRequest
+	13, // 24: tidepool.api.v1.Snapshots.List:input_type -> tidepool.api.v1.ListSnapshotsRequest
+	16, // 25: tidepool.api.v1.Daemon.Info:input_type -> tidepool.api.v1.InfoRequest
+	25, // 26: tidepool.api.v1.Pools.Run:input_type -> tidepool.api.v1.RunRequest
+	28, // 27: tidepool.api.v1.Pools.List:input_type -> tidepool.api.v1.ListPoolsRequest
+	18, // 28: tidepool.api.v1.Pools.Adopt:input_type -> tidepool.api.v1.AdoptRequest
+	20, // 29: tidepool.api.v1.Pools.StartMember:input_type -> tidepool.api.v1.MemberRequest
+	21, // 30: tidepool.api.v1.Pools.SignalMember:input_type -> tidepool.api.v1.SignalMemberRequest
+	22, // 31: tidepool.api.v1.Pools.PauseMember:input_type -> tidepool.api.v1.PauseMemberRequest
+	20, // 32: tidepool.api.v1.Pools.WaitMember:input_type -> tidepool.api.v1.MemberRequest
+	20, // 33: tidepool.api.v1.Pools.ReleaseMember:input_type -> tidepool.api.v1.MemberRequest
+	0,  // 34: tidepool.api.v1.Forks.Create:output_type -> tidepool.api.v1.Fork
+	0,  // 35: tidepool.api.v1.Forks.Get:output_type -> tidepool.api.v1.Fork
+	5,  // 36: tidepool.api.v1.Forks.List:output_type -> tidepool.api.v1.ListForksResponse
+	35, // 37: tidepool.api.v1.Forks.Remove:output_type -> google.protobuf.Empty
+	0,  // 38: tidepool.api.v1.Forks.Advance:output_type -> tidepool.api.v1.Fork
+	9,  // 39: tidepool.api.v1.Forks.LiveRoots:output_type -> tidepool.api.v1.LiveRootsResponse
+	12, // 40: tidepool.api.v1.Snapshots.Bind:output_type -> tidepool.api.v1.BindResponse
+	15, // 41: tidepool.api.v1.Snapshots.List:output_type -> tidepool.api.v1.ListSnapshotsResponse
+	17, // 42: tidepool.api.v1.Daemon.Info:output_type -> tidepool.api.v1.InfoResponse
+	27, // 43: tidepool.api.v1.Pools.Run:output_type -> tidepool.api.v1.RunResponse
+	30, // 44: tidepool.api.v1.Pools.List:output_type -> tidepool.api.v1.ListPoolsResponse
+	19, // 45: tidepool.api.v1.Pools.Adopt:output_type -> tidepool.api.v1.AdoptResponse
+	35, // 46: tidepool.api.v1.Pools.StartMember:output_type -> google.protobuf.Empty
+	35, // 47: tidepool.api.v1.Pools.SignalMember:output_type -> google.protobuf.Empty
+	35, // 48: tidepool.api.v1.Pools.PauseMember:output_type -> google.protobuf.Empty
+	23, // 49: tidepool.api.v1.Pools.WaitMember:output_type -> tidepool.api.v1.WaitMemberResponse
+	35, // 50: tidepool.api.v1.Pools.ReleaseMember:output_type -> google.protobuf.Empty
+	34, // [34:51] is the sub-list for method output_type
+	17, // [17:34] is the sub-list for method input_type
+	17, // [17:17] is the sub-list for extension type_name
+	17, // [17:17] is the sub-list for extension extendee
+	0,  // [0:17] is the sub-list for field type_name
 }
 
 func init() { file_tidepool_proto_init() }
@@ -1922,13 +2386,13 @@ func file_tidepool_proto_init() {
 	if File_tidepool_proto != nil {
 		return
 	}
-	file_tidepool_proto_msgTypes[19].OneofWrappers = []any{
+	file_tidepool_proto_msgTypes[25].OneofWrappers = []any{
 		(*RunRequest_Start)(nil),
 		(*RunRequest_Stdin)(nil),
 		(*RunRequest_StdinClose)(nil),
 		(*RunRequest_Signal)(nil),
 	}
-	file_tidepool_proto_msgTypes[21].OneofWrappers = []any{
+	file_tidepool_proto_msgTypes[27].OneofWrappers = []any{
 		(*RunResponse_Stdout)(nil),
 		(*RunResponse_Stderr)(nil),
 		(*RunResponse_Exit)(nil),
@@ -1940,7 +2404,7 @@ func file_tidepool_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_tidepool_proto_rawDesc), len(file_tidepool_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   27,
+			NumMessages:   33,
 			NumExtensions: 0,
 			NumServices:   4,
 		},

@@ -576,8 +576,14 @@ var Daemon_ServiceDesc = grpc.ServiceDesc{
 }
 
 const (
-	Pools_Run_FullMethodName  = "/tidepool.api.v1.Pools/Run"
-	Pools_List_FullMethodName = "/tidepool.api.v1.Pools/List"
+	Pools_Run_FullMethodName           = "/tidepool.api.v1.Pools/Run"
+	Pools_List_FullMethodName          = "/tidepool.api.v1.Pools/List"
+	Pools_Adopt_FullMethodName         = "/tidepool.api.v1.Pools/Adopt"
+	Pools_StartMember_FullMethodName   = "/tidepool.api.v1.Pools/StartMember"
+	Pools_SignalMember_FullMethodName  = "/tidepool.api.v1.Pools/SignalMember"
+	Pools_PauseMember_FullMethodName   = "/tidepool.api.v1.Pools/PauseMember"
+	Pools_WaitMember_FullMethodName    = "/tidepool.api.v1.Pools/WaitMember"
+	Pools_ReleaseMember_FullMethodName = "/tidepool.api.v1.Pools/ReleaseMember"
 )
 
 // PoolsClient is the client API for Pools service.
@@ -592,6 +598,19 @@ type PoolsClient interface {
 	// and end with the exit.
 	Run(ctx context.Context, opts ...grpc.CallOption) (grpc.BidiStreamingClient[RunRequest, RunResponse], error)
 	List(ctx context.Context, in *ListPoolsRequest, opts ...grpc.CallOption) (*ListPoolsResponse, error)
+	// Adopt is the transparent entrance, used by the runtime shim for a container
+	// created with the dev.tidepool.pool annotation: if the container is eligible, an
+	// idle member becomes its task (its snapshot re-keyed to the container's) and the
+	// shim drives it with the calls below; if not, cold_reason says why, and the
+	// container is created cold.
+	Adopt(ctx context.Context, in *AdoptRequest, opts ...grpc.CallOption) (*AdoptResponse, error)
+	StartMember(ctx context.Context, in *MemberRequest, opts ...grpc.CallOption) (*emptypb.Empty, error)
+	SignalMember(ctx context.Context, in *SignalMemberRequest, opts ...grpc.CallOption) (*emptypb.Empty, error)
+	PauseMember(ctx context.Context, in *PauseMemberRequest, opts ...grpc.CallOption) (*emptypb.Empty, error)
+	// WaitMember blocks until the member's workload exits.
+	WaitMember(ctx context.Context, in *MemberRequest, opts ...grpc.CallOption) (*WaitMemberResponse, error)
+	// ReleaseMember destroys an adopted member once its task is deleted.
+	ReleaseMember(ctx context.Context, in *MemberRequest, opts ...grpc.CallOption) (*emptypb.Empty, error)
 }
 
 type poolsClient struct {
@@ -625,6 +644,66 @@ func (c *poolsClient) List(ctx context.Context, in *ListPoolsRequest, opts ...gr
 	return out, nil
 }
 
+func (c *poolsClient) Adopt(ctx context.Context, in *AdoptRequest, opts ...grpc.CallOption) (*AdoptResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(AdoptResponse)
+	err := c.cc.Invoke(ctx, Pools_Adopt_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *poolsClient) StartMember(ctx context.Context, in *MemberRequest, opts ...grpc.CallOption) (*emptypb.Empty, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(emptypb.Empty)
+	err := c.cc.Invoke(ctx, Pools_StartMember_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *poolsClient) SignalMember(ctx context.Context, in *SignalMemberRequest, opts ...grpc.CallOption) (*emptypb.Empty, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(emptypb.Empty)
+	err := c.cc.Invoke(ctx, Pools_SignalMember_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *poolsClient) PauseMember(ctx context.Context, in *PauseMemberRequest, opts ...grpc.CallOption) (*emptypb.Empty, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(emptypb.Empty)
+	err := c.cc.Invoke(ctx, Pools_PauseMember_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *poolsClient) WaitMember(ctx context.Context, in *MemberRequest, opts ...grpc.CallOption) (*WaitMemberResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(WaitMemberResponse)
+	err := c.cc.Invoke(ctx, Pools_WaitMember_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *poolsClient) ReleaseMember(ctx context.Context, in *MemberRequest, opts ...grpc.CallOption) (*emptypb.Empty, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(emptypb.Empty)
+	err := c.cc.Invoke(ctx, Pools_ReleaseMember_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // PoolsServer is the server API for Pools service.
 // All implementations must embed UnimplementedPoolsServer
 // for forward compatibility.
@@ -637,6 +716,19 @@ type PoolsServer interface {
 	// and end with the exit.
 	Run(grpc.BidiStreamingServer[RunRequest, RunResponse]) error
 	List(context.Context, *ListPoolsRequest) (*ListPoolsResponse, error)
+	// Adopt is the transparent entrance, used by the runtime shim for a container
+	// created with the dev.tidepool.pool annotation: if the container is eligible, an
+	// idle member becomes its task (its snapshot re-keyed to the container's) and the
+	// shim drives it with the calls below; if not, cold_reason says why, and the
+	// container is created cold.
+	Adopt(context.Context, *AdoptRequest) (*AdoptResponse, error)
+	StartMember(context.Context, *MemberRequest) (*emptypb.Empty, error)
+	SignalMember(context.Context, *SignalMemberRequest) (*emptypb.Empty, error)
+	PauseMember(context.Context, *PauseMemberRequest) (*emptypb.Empty, error)
+	// WaitMember blocks until the member's workload exits.
+	WaitMember(context.Context, *MemberRequest) (*WaitMemberResponse, error)
+	// ReleaseMember destroys an adopted member once its task is deleted.
+	ReleaseMember(context.Context, *MemberRequest) (*emptypb.Empty, error)
 	mustEmbedUnimplementedPoolsServer()
 }
 
@@ -652,6 +744,24 @@ func (UnimplementedPoolsServer) Run(grpc.BidiStreamingServer[RunRequest, RunResp
 }
 func (UnimplementedPoolsServer) List(context.Context, *ListPoolsRequest) (*ListPoolsResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method List not implemented")
+}
+func (UnimplementedPoolsServer) Adopt(context.Context, *AdoptRequest) (*AdoptResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method Adopt not implemented")
+}
+func (UnimplementedPoolsServer) StartMember(context.Context, *MemberRequest) (*emptypb.Empty, error) {
+	return nil, status.Error(codes.Unimplemented, "method StartMember not implemented")
+}
+func (UnimplementedPoolsServer) SignalMember(context.Context, *SignalMemberRequest) (*emptypb.Empty, error) {
+	return nil, status.Error(codes.Unimplemented, "method SignalMember not implemented")
+}
+func (UnimplementedPoolsServer) PauseMember(context.Context, *PauseMemberRequest) (*emptypb.Empty, error) {
+	return nil, status.Error(codes.Unimplemented, "method PauseMember not implemented")
+}
+func (UnimplementedPoolsServer) WaitMember(context.Context, *MemberRequest) (*WaitMemberResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method WaitMember not implemented")
+}
+func (UnimplementedPoolsServer) ReleaseMember(context.Context, *MemberRequest) (*emptypb.Empty, error) {
+	return nil, status.Error(codes.Unimplemented, "method ReleaseMember not implemented")
 }
 func (UnimplementedPoolsServer) mustEmbedUnimplementedPoolsServer() {}
 func (UnimplementedPoolsServer) testEmbeddedByValue()               {}
@@ -699,6 +809,114 @@ func _Pools_List_Handler(srv interface{}, ctx context.Context, dec func(interfac
 	return interceptor(ctx, in, info, handler)
 }
 
+func _Pools_Adopt_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(AdoptRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(PoolsServer).Adopt(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Pools_Adopt_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(PoolsServer).Adopt(ctx, req.(*AdoptRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _Pools_StartMember_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(MemberRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(PoolsServer).StartMember(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Pools_StartMember_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(PoolsServer).StartMember(ctx, req.(*MemberRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _Pools_SignalMember_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(SignalMemberRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(PoolsServer).SignalMember(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Pools_SignalMember_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(PoolsServer).SignalMember(ctx, req.(*SignalMemberRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _Pools_PauseMember_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(PauseMemberRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(PoolsServer).PauseMember(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Pools_PauseMember_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(PoolsServer).PauseMember(ctx, req.(*PauseMemberRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _Pools_WaitMember_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(MemberRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(PoolsServer).WaitMember(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Pools_WaitMember_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(PoolsServer).WaitMember(ctx, req.(*MemberRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _Pools_ReleaseMember_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(MemberRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(PoolsServer).ReleaseMember(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Pools_ReleaseMember_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(PoolsServer).ReleaseMember(ctx, req.(*MemberRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // Pools_ServiceDesc is the grpc.ServiceDesc for Pools service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -709,6 +927,30 @@ var Pools_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "List",
 			Handler:    _Pools_List_Handler,
+		},
+		{
+			MethodName: "Adopt",
+			Handler:    _Pools_Adopt_Handler,
+		},
+		{
+			MethodName: "StartMember",
+			Handler:    _Pools_StartMember_Handler,
+		},
+		{
+			MethodName: "SignalMember",
+			Handler:    _Pools_SignalMember_Handler,
+		},
+		{
+			MethodName: "PauseMember",
+			Handler:    _Pools_PauseMember_Handler,
+		},
+		{
+			MethodName: "WaitMember",
+			Handler:    _Pools_WaitMember_Handler,
+		},
+		{
+			MethodName: "ReleaseMember",
+			Handler:    _Pools_ReleaseMember_Handler,
 		},
 	},
 	Streams: []grpc.StreamDesc{

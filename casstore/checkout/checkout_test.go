@@ -2,7 +2,6 @@ package checkout
 
 import (
 	"context"
-	"encoding/binary"
 	"errors"
 	"io/fs"
 	"os"
@@ -15,73 +14,17 @@ import (
 	"github.com/containerd/errdefs"
 
 	"github.com/tidepool-dev/tidepool/casstore"
+	"github.com/tidepool-dev/tidepool/casstore/casstoretest"
+	"github.com/tidepool-dev/tidepool/casstore/ingest"
 )
 
-func newStore(t testing.TB) *casstore.Store {
+// ingestDir hashes dir with the product's ingest (default options: symlinks kept,
+// an executable is any file with an x bit), so a test can check that a checkout
+// reproduces a tree exactly by hashing the result again.
+func ingestDir(t testing.TB, s *casstore.Store, dir string) casstore.Hash {
 	t.Helper()
-	s, err := casstore.Open(t.TempDir())
+	h, _, err := ingest.Dir(context.Background(), s, dir, ingest.Options{})
 	if err != nil {
-		t.Fatal(err)
-	}
-	return s
-}
-
-// ingest is a minimal directory walker for tests: regular files by exec bit, symlinks
-// by target, directories recursively, nothing else. It lets a test check that a
-// checkout reproduces a tree exactly by hashing the result again.
-func ingest(t testing.TB, s *casstore.Store, dir string) casstore.Hash {
-	t.Helper()
-	b, err := s.Begin()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer b.Abort()
-	var walk func(dir string) casstore.Hash
-	walk = func(dir string) casstore.Hash {
-		ents, err := os.ReadDir(dir)
-		if err != nil {
-			t.Fatal(err)
-		}
-		var out []casstore.Entry
-		for _, e := range ents {
-			p := filepath.Join(dir, e.Name())
-			fi, err := os.Lstat(p)
-			if err != nil {
-				t.Fatal(err)
-			}
-			switch {
-			case fi.IsDir():
-				out = append(out, casstore.Entry{Mode: casstore.ModeDir, Name: e.Name(), Hash: walk(p)})
-			case fi.Mode()&fs.ModeSymlink != 0:
-				target, err := os.Readlink(p)
-				if err != nil {
-					t.Fatal(err)
-				}
-				h, err := b.PutBytes([]byte(target))
-				if err != nil {
-					t.Fatal(err)
-				}
-				out = append(out, casstore.Entry{Mode: casstore.ModeSymlink, Name: e.Name(), Hash: h})
-			case fi.Mode().IsRegular():
-				h, _, err := b.PutFile(p)
-				if err != nil {
-					t.Fatal(err)
-				}
-				m := casstore.ModeFile
-				if fi.Mode()&0o111 != 0 {
-					m = casstore.ModeExec
-				}
-				out = append(out, casstore.Entry{Mode: m, Name: e.Name(), Hash: h})
-			}
-		}
-		h, err := b.WriteTree(out)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return h
-	}
-	h := walk(dir)
-	if err := b.Commit(); err != nil {
 		t.Fatal(err)
 	}
 	return h
@@ -116,7 +59,7 @@ func sample(t *testing.T, s *casstore.Store) casstore.Hash {
 			t.Fatal(err)
 		}
 	}
-	return ingest(t, s, src)
+	return ingestDir(t, s, src)
 }
 
 type info struct {
@@ -163,7 +106,7 @@ func setUmask(t *testing.T, m int) {
 
 func TestCheckoutReproducesTree(t *testing.T) {
 	setUmask(t, 0o077) // modes must not depend on the caller's umask
-	s := newStore(t)
+	s := casstoretest.NewStore(t)
 	root := sample(t, s)
 	dst := filepath.Join(t.TempDir(), "out")
 	st, err := Checkout(context.Background(), s, root, dst, Options{})
@@ -173,7 +116,7 @@ func TestCheckoutReproducesTree(t *testing.T) {
 	if st.Files != 5 || st.Symlinks != 4 || st.Dirs != 6 || st.Bytes != 1<<20+8+18+10 {
 		t.Fatalf("stats %+v", st)
 	}
-	if got := ingest(t, s, dst); got != root {
+	if got := ingestDir(t, s, dst); got != root {
 		t.Fatalf("re-ingested checkout gives %s, want %s", got, root)
 	}
 	snap := snapshot(t, dst)
@@ -197,8 +140,8 @@ func TestCheckoutRealSourceTree(t *testing.T) {
 	if _, err := os.Stat(src); err != nil {
 		t.Skipf("Go source tree not available: %v", err)
 	}
-	s := newStore(t)
-	root := ingest(t, s, src)
+	s := casstoretest.NewStore(t)
+	root := ingestDir(t, s, src)
 	dst := t.TempDir()
 	st, err := Checkout(context.Background(), s, root, dst, Options{})
 	if err != nil {
@@ -207,13 +150,13 @@ func TestCheckoutRealSourceTree(t *testing.T) {
 	if st.Files < 100 {
 		t.Fatalf("only %d files checked out", st.Files)
 	}
-	if got := ingest(t, s, dst); got != root {
+	if got := ingestDir(t, s, dst); got != root {
 		t.Fatalf("re-ingested checkout gives %s, want %s", got, root)
 	}
 }
 
 func TestCheckoutPrefix(t *testing.T) {
-	s := newStore(t)
+	s := casstoretest.NewStore(t)
 	root := sample(t, s)
 	dst := t.TempDir() // exists and is empty: allowed
 	st, err := Checkout(context.Background(), s, root, dst, Options{Prefix: "srv/app/"})
@@ -227,13 +170,13 @@ func TestCheckoutPrefix(t *testing.T) {
 	if len(names) != 1 || names[0].Name() != "srv" {
 		t.Fatalf("top level holds %v, want only srv", names)
 	}
-	if got := ingest(t, s, filepath.Join(dst, "srv", "app")); got != root {
+	if got := ingestDir(t, s, filepath.Join(dst, "srv", "app")); got != root {
 		t.Fatalf("tree under the prefix gives %s, want %s", got, root)
 	}
 }
 
 func TestCheckoutRefusesBadTargets(t *testing.T) {
-	s := newStore(t)
+	s := casstoretest.NewStore(t)
 	root := sample(t, s)
 	tmp := t.TempDir()
 	nonEmpty := filepath.Join(tmp, "full")
@@ -314,7 +257,7 @@ func TestCheckoutFailureNamesObjectAndCleansUp(t *testing.T) {
 		{"corrupt symlink target", "src/up", true, errdefs.ErrDataLoss},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			s := newStore(t)
+			s := casstoretest.NewStore(t)
 			root := sample(t, s)
 			h := breakObject(t, s, root, tc.path, tc.corrupt)
 			check := func(err error) {
@@ -346,33 +289,12 @@ func TestCheckoutFailureNamesObjectAndCleansUp(t *testing.T) {
 	}
 }
 
-// rawTree encodes entries without the codec's checks, as a hostile or buggy writer
-// could, and stores it.
-func rawTree(t *testing.T, s *casstore.Store, ents ...casstore.Entry) casstore.Hash {
-	t.Helper()
-	var b []byte
-	for _, e := range ents {
-		b = binary.LittleEndian.AppendUint32(b, uint32(e.Mode))
-		b = binary.LittleEndian.AppendUint32(b, uint32(len(e.Name)))
-		b = append(b, e.Name...)
-		b = append(b, e.Hash[:]...)
-	}
-	h, err := s.PutBytes(b)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return h
-}
-
 func TestCheckoutRefusesUnsafeNames(t *testing.T) {
-	s := newStore(t)
-	blob, err := s.PutBytes([]byte("pwned"))
-	if err != nil {
-		t.Fatal(err)
-	}
+	s := casstoretest.NewStore(t)
+	blob := casstoretest.Put(t, s, "pwned")
 	base := t.TempDir()
 	for _, name := range []string{"..", "../escape", "a/b", "."} {
-		root := rawTree(t, s, casstore.Entry{Mode: casstore.ModeFile, Name: name, Hash: blob})
+		root := casstoretest.RawTree(t, s, casstore.Entry{Mode: casstore.ModeFile, Name: name, Hash: blob})
 		dst := filepath.Join(base, "sub", "dst")
 		_, err := Checkout(context.Background(), s, root, dst, Options{})
 		if !errors.Is(err, casstore.ErrBadName) {
@@ -385,28 +307,16 @@ func TestCheckoutRefusesUnsafeNames(t *testing.T) {
 }
 
 func TestCheckoutSymlinkTargetsAreNotFollowed(t *testing.T) {
-	s := newStore(t)
+	s := casstoretest.NewStore(t)
 	outside := t.TempDir()
-	target, err := s.PutBytes([]byte(outside))
-	if err != nil {
-		t.Fatal(err)
-	}
-	data, err := s.PutBytes([]byte("data"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	sub, err := s.WriteTree([]casstore.Entry{{Mode: casstore.ModeFile, Name: "f", Hash: data}})
-	if err != nil {
-		t.Fatal(err)
-	}
+	target := casstoretest.Put(t, s, outside)
+	data := casstoretest.Put(t, s, "data")
+	sub := casstoretest.Tree(t, s, casstore.Entry{Mode: casstore.ModeFile, Name: "f", Hash: data})
 	// "a" links outside; "b" is a directory next to it. Nothing may land outside.
-	root, err := s.WriteTree([]casstore.Entry{
-		{Mode: casstore.ModeSymlink, Name: "a", Hash: target},
-		{Mode: casstore.ModeDir, Name: "b", Hash: sub},
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	root := casstoretest.Tree(t, s,
+		casstore.Entry{Mode: casstore.ModeSymlink, Name: "a", Hash: target},
+		casstore.Entry{Mode: casstore.ModeDir, Name: "b", Hash: sub},
+	)
 	dst := t.TempDir()
 	if _, err := Checkout(context.Background(), s, root, dst, Options{}); err != nil {
 		t.Fatal(err)
@@ -420,14 +330,11 @@ func TestCheckoutSymlinkTargetsAreNotFollowed(t *testing.T) {
 }
 
 func TestCheckoutEmptyObjectsNeedNoBlob(t *testing.T) {
-	s := newStore(t)
-	root, err := s.WriteTree([]casstore.Entry{
-		{Mode: casstore.ModeFile, Name: "empty", Hash: casstore.EmptyHash},
-		{Mode: casstore.ModeDir, Name: "emptydir", Hash: casstore.EmptyHash},
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	s := casstoretest.NewStore(t)
+	root := casstoretest.Tree(t, s,
+		casstore.Entry{Mode: casstore.ModeFile, Name: "empty", Hash: casstore.EmptyHash},
+		casstore.Entry{Mode: casstore.ModeDir, Name: "emptydir", Hash: casstore.EmptyHash},
+	)
 	if ok, _ := s.Has(casstore.EmptyHash); ok {
 		t.Fatal("test needs a store without H(\"\")")
 	}
@@ -450,7 +357,7 @@ func TestCheckoutEmptyObjectsNeedNoBlob(t *testing.T) {
 }
 
 func TestCheckoutCancel(t *testing.T) {
-	s := newStore(t)
+	s := casstoretest.NewStore(t)
 	root := sample(t, s)
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()

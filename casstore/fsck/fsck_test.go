@@ -2,7 +2,6 @@ package fsck
 
 import (
 	"context"
-	"encoding/binary"
 	"errors"
 	"fmt"
 	"os"
@@ -13,38 +12,8 @@ import (
 	"github.com/containerd/errdefs"
 
 	"github.com/tidepool-dev/tidepool/casstore"
+	"github.com/tidepool-dev/tidepool/casstore/casstoretest"
 )
-
-func newStore(t testing.TB) *casstore.Store {
-	t.Helper()
-	s, err := casstore.Open(t.TempDir())
-	if err != nil {
-		t.Fatal(err)
-	}
-	return s
-}
-
-func put(t testing.TB, s *casstore.Store, data string) casstore.Hash {
-	t.Helper()
-	h, err := s.PutBytes([]byte(data))
-	if err != nil {
-		t.Fatal(err)
-	}
-	return h
-}
-
-func tree(t testing.TB, s *casstore.Store, ents ...casstore.Entry) casstore.Hash {
-	t.Helper()
-	h, err := s.WriteTree(ents)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return h
-}
-
-type roots []casstore.Hash
-
-func (r roots) LiveRoots() ([]casstore.Hash, error) { return r, nil }
 
 // corrupt overwrites an object's file with other bytes, as bit rot or tampering would.
 func corrupt(t testing.TB, s *casstore.Store, h casstore.Hash, data string) {
@@ -56,14 +25,14 @@ func corrupt(t testing.TB, s *casstore.Store, h casstore.Hash, data string) {
 
 // fixture: a live root with a file, an executable and a subdirectory, plus garbage.
 func fixture(t *testing.T) (*casstore.Store, casstore.Hash, map[string]casstore.Hash) {
-	s := newStore(t)
+	s := casstoretest.NewStore(t)
 	hs := map[string]casstore.Hash{
-		"a":       put(t, s, "content of a"),
-		"b":       put(t, s, "content of b"),
-		"garbage": put(t, s, "unreachable"),
+		"a":       casstoretest.Put(t, s, "content of a"),
+		"b":       casstoretest.Put(t, s, "content of b"),
+		"garbage": casstoretest.Put(t, s, "unreachable"),
 	}
-	hs["sub"] = tree(t, s, casstore.Entry{Mode: casstore.ModeExec, Name: "b", Hash: hs["b"]})
-	root := tree(t, s,
+	hs["sub"] = casstoretest.Tree(t, s, casstore.Entry{Mode: casstore.ModeExec, Name: "b", Hash: hs["b"]})
+	root := casstoretest.Tree(t, s,
 		casstore.Entry{Mode: casstore.ModeFile, Name: "a", Hash: hs["a"]},
 		casstore.Entry{Mode: casstore.ModeDir, Name: "sub", Hash: hs["sub"]},
 	)
@@ -72,7 +41,7 @@ func fixture(t *testing.T) (*casstore.Store, casstore.Hash, map[string]casstore.
 
 func TestCheckHealthyStore(t *testing.T) {
 	s, root, _ := fixture(t)
-	r, err := Check(context.Background(), s, roots{root}, Options{})
+	r, err := Check(context.Background(), s, casstoretest.Roots{root}, Options{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -96,7 +65,7 @@ func TestCheckFindsCorruptObjects(t *testing.T) {
 	}
 	corrupt(t, s, hs["a"], "rotten")
 	corrupt(t, s, hs["garbage"], "also rotten")
-	r, err := Check(context.Background(), s, roots{root}, Options{Workers: 3})
+	r, err := Check(context.Background(), s, casstoretest.Roots{root}, Options{Workers: 3})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -122,7 +91,7 @@ func TestQuarantine(t *testing.T) {
 	s, root, hs := fixture(t)
 	corrupt(t, s, hs["sub"], "a tree no more")
 	corrupt(t, s, hs["garbage"], "rotten garbage")
-	r, err := Check(context.Background(), s, roots{root}, Options{Quarantine: true})
+	r, err := Check(context.Background(), s, casstoretest.Roots{root}, Options{Quarantine: true})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -147,7 +116,7 @@ func TestQuarantine(t *testing.T) {
 		t.Fatalf("missing %v", r.Missing)
 	}
 	// The store is consistent again apart from what is missing.
-	r2, err := Check(context.Background(), s, roots{root}, Options{})
+	r2, err := Check(context.Background(), s, casstoretest.Roots{root}, Options{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -166,7 +135,7 @@ func TestQuarantineSparesRepairedObject(t *testing.T) {
 		}
 	}
 	t.Cleanup(func() { testHookBeforeQuarantine = nil })
-	r, err := Check(context.Background(), s, roots{root}, Options{Quarantine: true})
+	r, err := Check(context.Background(), s, casstoretest.Roots{root}, Options{Quarantine: true})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -179,18 +148,14 @@ func TestQuarantineSparesRepairedObject(t *testing.T) {
 }
 
 func TestCheckReachability(t *testing.T) {
-	s := newStore(t)
+	s := casstoretest.NewStore(t)
 	missingBlob := casstore.Sum([]byte("never stored"))
 	missingTree := casstore.Sum([]byte("never stored either"))
-	child := put(t, s, "child")
-	var raw []byte
-	raw = binary.LittleEndian.AppendUint32(raw, uint32(casstore.ModeFile))
-	raw = binary.LittleEndian.AppendUint32(raw, 2)
-	raw = append(raw, ".."...)
-	raw = append(raw, child[:]...)
-	odd := put(t, s, string(raw)) // a tree LunarFS accepts and Tidepool refuses
-	junk := put(t, s, "\x01\x02") // not a tree at all
-	root := tree(t, s,
+	child := casstoretest.Put(t, s, "child")
+	// A tree LunarFS accepts and Tidepool refuses.
+	odd := casstoretest.RawTree(t, s, casstore.Entry{Mode: casstore.ModeFile, Name: "..", Hash: child})
+	junk := casstoretest.Put(t, s, "\x01\x02") // not a tree at all
+	root := casstoretest.Tree(t, s,
 		casstore.Entry{Mode: casstore.ModeFile, Name: "gone", Hash: missingBlob},
 		casstore.Entry{Mode: casstore.ModeDir, Name: "gonedir", Hash: missingTree},
 		casstore.Entry{Mode: casstore.ModeDir, Name: "junk", Hash: junk},
@@ -218,7 +183,7 @@ func TestCheckReachability(t *testing.T) {
 }
 
 func TestCheckManyObjectsConcurrently(t *testing.T) {
-	s := newStore(t)
+	s := casstoretest.NewStore(t)
 	b, err := s.Begin()
 	if err != nil {
 		t.Fatal(err)
@@ -240,7 +205,7 @@ func TestCheckManyObjectsConcurrently(t *testing.T) {
 	}
 	corrupt(t, s, ents[7].Hash, "x")
 	corrupt(t, s, ents[300].Hash, "y")
-	r, err := Check(context.Background(), s, roots{root}, Options{Workers: 4})
+	r, err := Check(context.Background(), s, casstoretest.Roots{root}, Options{Workers: 4})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -249,7 +214,7 @@ func TestCheckManyObjectsConcurrently(t *testing.T) {
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
-	if _, err := Check(ctx, s, roots{root}, Options{}); !errors.Is(err, context.Canceled) {
+	if _, err := Check(ctx, s, casstoretest.Roots{root}, Options{}); !errors.Is(err, context.Canceled) {
 		t.Fatalf("cancelled check: %v", err)
 	}
 }

@@ -2,7 +2,6 @@ package gc
 
 import (
 	"context"
-	"encoding/binary"
 	"errors"
 	"fmt"
 	"math/rand"
@@ -14,77 +13,14 @@ import (
 	"time"
 
 	"github.com/tidepool-dev/tidepool/casstore"
+	"github.com/tidepool-dev/tidepool/casstore/casstoretest"
 	"github.com/tidepool-dev/tidepool/casstore/forks"
 )
 
-func newStore(t testing.TB) *casstore.Store {
-	t.Helper()
-	s, err := casstore.Open(t.TempDir())
-	if err != nil {
-		t.Fatal(err)
-	}
-	return s
-}
-
-// build stores a tree of files (path -> content) and returns its root.
+// build stores a tree of regular files (path -> content) and returns its root.
 func build(t testing.TB, s *casstore.Store, files map[string]string) casstore.Hash {
 	t.Helper()
-	b, err := s.Begin()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer b.Abort()
-	h := buildIn(t, b, files)
-	if err := b.Commit(); err != nil {
-		t.Fatal(err)
-	}
-	return h
-}
-
-func buildIn(t testing.TB, b *casstore.Batch, files map[string]string) casstore.Hash {
-	t.Helper()
-	h, err := writeFiles(b, files)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return h
-}
-
-// writeFiles stages a tree of files in b; it is safe to call from any goroutine.
-func writeFiles(b *casstore.Batch, files map[string]string) (casstore.Hash, error) {
-	sub := map[string]map[string]string{}
-	var ents []casstore.Entry
-	for p, data := range files {
-		if i := strings.IndexByte(p, '/'); i >= 0 {
-			if sub[p[:i]] == nil {
-				sub[p[:i]] = map[string]string{}
-			}
-			sub[p[:i]][p[i+1:]] = data
-			continue
-		}
-		h, err := b.PutBytes([]byte(data))
-		if err != nil {
-			return h, err
-		}
-		ents = append(ents, casstore.Entry{Mode: casstore.ModeFile, Name: p, Hash: h})
-	}
-	for name, m := range sub {
-		h, err := writeFiles(b, m)
-		if err != nil {
-			return h, err
-		}
-		ents = append(ents, casstore.Entry{Mode: casstore.ModeDir, Name: name, Hash: h})
-	}
-	return b.WriteTree(ents)
-}
-
-func put(t testing.TB, s *casstore.Store, data string) casstore.Hash {
-	t.Helper()
-	h, err := s.PutBytes([]byte(data))
-	if err != nil {
-		t.Fatal(err)
-	}
-	return h
+	return casstoretest.Build(t, s, casstoretest.Files(files))
 }
 
 // age sets an object's mtime in the past, as if it had been written long ago.
@@ -115,9 +51,16 @@ func objects(t testing.TB, s *casstore.Store) map[casstore.Hash]bool {
 	return out
 }
 
-type roots []casstore.Hash
-
-func (r roots) LiveRoots() ([]casstore.Hash, error) { return r, nil }
+// openForkDB opens a fork database in a temporary directory, closed when the test ends.
+func openForkDB(t testing.TB) *forks.DB {
+	t.Helper()
+	db, err := forks.OpenDB(filepath.Join(t.TempDir(), "forks.db"), time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { db.Close() })
+	return db
+}
 
 // assertComplete checks that every object reachable from rs is still in the store.
 func assertComplete(t testing.TB, s *casstore.Store, rs ...casstore.Hash) *Marks {
@@ -133,15 +76,15 @@ func assertComplete(t testing.TB, s *casstore.Store, rs ...casstore.Hash) *Marks
 }
 
 func TestCollectSweepsOnlyUnreachable(t *testing.T) {
-	s := newStore(t)
+	s := casstoretest.NewStore(t)
 	live := build(t, s, map[string]string{"a.txt": "a", "src/main.go": "main", "src/lib/x.go": "x", "shared": "s"})
 	extra := build(t, s, map[string]string{"snap/file": "snapshot"})
 	dead := build(t, s, map[string]string{"old/gone.txt": "gone", "shared": "s", "bye": "bye"})
-	garbage := put(t, s, strings.Repeat("g", 1000))
+	garbage := casstoretest.Put(t, s, strings.Repeat("g", 1000))
 	ageAll(t, s)
 	before := objects(t, s)
 
-	res, err := Collect(context.Background(), s, roots{live}, Options{Roots: []casstore.Hash{extra}})
+	res, err := Collect(context.Background(), s, casstoretest.Roots{live}, Options{Roots: []casstore.Hash{extra}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -169,20 +112,20 @@ func TestCollectSweepsOnlyUnreachable(t *testing.T) {
 	}
 
 	// A second collection finds nothing to do.
-	res, err = Collect(context.Background(), s, roots{live}, Options{Roots: []casstore.Hash{extra}})
+	res, err = Collect(context.Background(), s, casstoretest.Roots{live}, Options{Roots: []casstore.Hash{extra}})
 	if err != nil || res.Swept != 0 {
 		t.Fatalf("second run: %+v, %v", res, err)
 	}
 }
 
 func TestCollectGraceAndDryRun(t *testing.T) {
-	s := newStore(t)
+	s := casstoretest.NewStore(t)
 	live := build(t, s, map[string]string{"keep": "k"})
-	old := put(t, s, "old garbage")
+	old := casstoretest.Put(t, s, "old garbage")
 	age(t, s, old)
-	fresh := put(t, s, "fresh garbage") // written just now: may belong to a running commit
+	fresh := casstoretest.Put(t, s, "fresh garbage") // written just now: may belong to a running commit
 
-	dry, err := Collect(context.Background(), s, roots{live}, Options{DryRun: true})
+	dry, err := Collect(context.Background(), s, casstoretest.Roots{live}, Options{DryRun: true})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -193,7 +136,7 @@ func TestCollectGraceAndDryRun(t *testing.T) {
 		t.Fatal("dry run deleted objects")
 	}
 
-	res, err := Collect(context.Background(), s, roots{live}, Options{})
+	res, err := Collect(context.Background(), s, casstoretest.Roots{live}, Options{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -206,7 +149,7 @@ func TestCollectGraceAndDryRun(t *testing.T) {
 	}
 
 	// No grace: fresh garbage goes too.
-	if _, err := Collect(context.Background(), s, roots{live}, Options{Grace: -1}); err != nil {
+	if _, err := Collect(context.Background(), s, casstoretest.Roots{live}, Options{Grace: -1}); err != nil {
 		t.Fatal(err)
 	}
 	if objects(t, s)[fresh] {
@@ -220,31 +163,22 @@ func TestCollectGraceAndDryRun(t *testing.T) {
 func TestMarkSharedNamespace(t *testing.T) {
 	for _, fileFirst := range []bool{true, false} {
 		t.Run(fmt.Sprintf("fileFirst=%v", fileFirst), func(t *testing.T) {
-			s := newStore(t)
-			child := put(t, s, "only reachable through the tree")
-			sub, err := s.WriteTree([]casstore.Entry{{Mode: casstore.ModeFile, Name: "c", Hash: child}})
-			if err != nil {
-				t.Fatal(err)
-			}
+			s := casstoretest.NewStore(t)
+			child := casstoretest.Put(t, s, "only reachable through the tree")
+			sub := casstoretest.Tree(t, s, casstore.Entry{Mode: casstore.ModeFile, Name: "c", Hash: child})
 			fileName, dirName := "a", "z"
 			if !fileFirst {
 				fileName, dirName = "z", "a"
 			}
 			// Both roots hold the object: once as a file's content, once as a directory.
-			r1, err := s.WriteTree([]casstore.Entry{{Mode: casstore.ModeFile, Name: fileName, Hash: sub}})
-			if err != nil {
-				t.Fatal(err)
-			}
-			r2, err := s.WriteTree([]casstore.Entry{
-				{Mode: casstore.ModeFile, Name: fileName, Hash: sub},
-				{Mode: casstore.ModeDir, Name: dirName, Hash: sub},
-			})
-			if err != nil {
-				t.Fatal(err)
-			}
+			r1 := casstoretest.Tree(t, s, casstore.Entry{Mode: casstore.ModeFile, Name: fileName, Hash: sub})
+			r2 := casstoretest.Tree(t, s,
+				casstore.Entry{Mode: casstore.ModeFile, Name: fileName, Hash: sub},
+				casstore.Entry{Mode: casstore.ModeDir, Name: dirName, Hash: sub},
+			)
 			ageAll(t, s)
 			for _, order := range [][]casstore.Hash{{r1, r2}, {r2, r1}} {
-				if _, err := Collect(context.Background(), s, roots(order), Options{}); err != nil {
+				if _, err := Collect(context.Background(), s, casstoretest.Roots(order), Options{}); err != nil {
 					t.Fatal(err)
 				}
 				if !objects(t, s)[child] {
@@ -257,9 +191,9 @@ func TestMarkSharedNamespace(t *testing.T) {
 }
 
 func TestCollectReportsMissingAndStillSweeps(t *testing.T) {
-	s := newStore(t)
+	s := casstoretest.NewStore(t)
 	live := build(t, s, map[string]string{"a": "a", "d/b": "b", "e/c": "c"})
-	garbage := put(t, s, "garbage")
+	garbage := casstoretest.Put(t, s, "garbage")
 	ageAll(t, s)
 	rt, err := s.ReadTree(live)
 	if err != nil {
@@ -272,7 +206,7 @@ func TestCollectReportsMissingAndStillSweeps(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	res, err := Collect(context.Background(), s, roots{live}, Options{})
+	res, err := Collect(context.Background(), s, casstoretest.Roots{live}, Options{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -299,9 +233,9 @@ func TestCollectReportsMissingAndStillSweeps(t *testing.T) {
 }
 
 func TestCollectRefusesWhenTreeCorrupt(t *testing.T) {
-	s := newStore(t)
+	s := casstoretest.NewStore(t)
 	live := build(t, s, map[string]string{"d/deep/x": "x"})
-	garbage := put(t, s, "garbage")
+	garbage := casstoretest.Put(t, s, "garbage")
 	ageAll(t, s)
 	rt, _ := s.ReadTree(live)
 	d, _ := rt.Lookup("d")
@@ -310,7 +244,7 @@ func TestCollectRefusesWhenTreeCorrupt(t *testing.T) {
 	}
 	age(t, s, d.Hash)
 	before := objects(t, s)
-	_, err := Collect(context.Background(), s, roots{live}, Options{})
+	_, err := Collect(context.Background(), s, casstoretest.Roots{live}, Options{})
 	if !errors.Is(err, ErrUnreadableTrees) || !strings.Contains(err.Error(), d.Hash.String()) {
 		t.Fatalf("got %v, want ErrUnreadableTrees naming %s", err, d.Hash)
 	}
@@ -319,33 +253,19 @@ func TestCollectRefusesWhenTreeCorrupt(t *testing.T) {
 	}
 }
 
-func rawTree(ents ...casstore.Entry) []byte {
-	var b []byte
-	for _, e := range ents {
-		b = binary.LittleEndian.AppendUint32(b, uint32(e.Mode))
-		b = binary.LittleEndian.AppendUint32(b, uint32(len(e.Name)))
-		b = append(b, e.Name...)
-		b = append(b, e.Hash[:]...)
-	}
-	return b
-}
-
 func TestCollectKeepsChildrenOfUndecodableTrees(t *testing.T) {
-	s := newStore(t)
-	child := put(t, s, "child of a LunarFS tree with an unsafe name")
-	grandchild := put(t, s, "grandchild")
-	sub := put(t, s, string(rawTree(casstore.Entry{Mode: casstore.ModeFile, Name: "g", Hash: grandchild})))
+	s := casstoretest.NewStore(t)
+	child := casstoretest.Put(t, s, "child of a LunarFS tree with an unsafe name")
+	grandchild := casstoretest.Put(t, s, "grandchild")
+	sub := casstoretest.RawTree(t, s, casstore.Entry{Mode: casstore.ModeFile, Name: "g", Hash: grandchild})
 	// LunarFS accepts names like "../x" and unsorted entries; Tidepool's codec does not.
-	odd := put(t, s, string(rawTree(
+	odd := casstoretest.RawTree(t, s,
 		casstore.Entry{Mode: casstore.ModeFile, Name: "../x", Hash: child},
 		casstore.Entry{Mode: casstore.ModeDir, Name: "a", Hash: sub},
-	)))
-	live, err := s.WriteTree([]casstore.Entry{{Mode: casstore.ModeDir, Name: "odd", Hash: odd}})
-	if err != nil {
-		t.Fatal(err)
-	}
+	)
+	live := casstoretest.Tree(t, s, casstore.Entry{Mode: casstore.ModeDir, Name: "odd", Hash: odd})
 	ageAll(t, s)
-	res, err := Collect(context.Background(), s, roots{live}, Options{})
+	res, err := Collect(context.Background(), s, casstoretest.Roots{live}, Options{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -359,7 +279,7 @@ func TestCollectKeepsChildrenOfUndecodableTrees(t *testing.T) {
 }
 
 func TestCollectSweepsStaleTemp(t *testing.T) {
-	s := newStore(t)
+	s := casstoretest.NewStore(t)
 	h := build(t, s, map[string]string{"x": "x"})
 	stale := s.Path(h)[:len(s.Path(h))-10] + "0000000000.tmp" // a LunarFS writer's leftover
 	if err := os.WriteFile(stale, []byte("partial"), 0o644); err != nil {
@@ -369,7 +289,7 @@ func TestCollectSweepsStaleTemp(t *testing.T) {
 	if err := os.Chtimes(stale, old, old); err != nil {
 		t.Fatal(err)
 	}
-	res, err := Collect(context.Background(), s, roots{h}, Options{})
+	res, err := Collect(context.Background(), s, casstoretest.Roots{h}, Options{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -383,12 +303,8 @@ func TestCollectSweepsStaleTemp(t *testing.T) {
 
 func TestCollectWithForkDB(t *testing.T) {
 	ctx := context.Background()
-	s := newStore(t)
-	db, err := forks.OpenDB(filepath.Join(t.TempDir(), "forks.db"), time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { db.Close() })
+	s := casstoretest.NewStore(t)
+	db := openForkDB(t)
 	base := build(t, s, map[string]string{"f": "v0"})
 	f, err := db.Create(ctx, forks.CreateRequest{Base: base, Label: "w"})
 	if err != nil {
@@ -433,17 +349,13 @@ func TestCollectWithForkDB(t *testing.T) {
 // re-checks mtimes under the exclusive lock.
 func TestCollectConcurrentWithCommits(t *testing.T) {
 	ctx := context.Background()
-	s := newStore(t)
-	db, err := forks.OpenDB(filepath.Join(t.TempDir(), "forks.db"), time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { db.Close() })
+	s := casstoretest.NewStore(t)
+	db := openForkDB(t)
 	const pool = 200
 	var old []string
 	for i := 0; i < pool; i++ {
 		old = append(old, fmt.Sprintf("old object %d", i))
-		put(t, s, old[i])
+		casstoretest.Put(t, s, old[i])
 	}
 	ageAll(t, s) // all unreachable and old: fair game unless a writer reuses them
 	const writers = 3
@@ -493,7 +405,7 @@ func TestCollectConcurrentWithCommits(t *testing.T) {
 					werr[w] = err
 					return
 				}
-				root, err := writeFiles(b, files)
+				root, err := casstoretest.Stage(b, casstoretest.Files(files))
 				if err == nil {
 					err = b.Commit()
 				} else {
@@ -538,9 +450,9 @@ func withHook(t *testing.T, fn func()) {
 // object after GC listed it as a candidate, and whose fork moves only after GC ends,
 // keeps that object (its batch refreshed the mtime, which GC re-checks under lock).
 func TestCollectKeepsObjectsReusedDuringSweep(t *testing.T) {
-	s := newStore(t)
-	reused := put(t, s, "old content a commit is about to reuse")
-	other := put(t, s, "old garbage")
+	s := casstoretest.NewStore(t)
+	reused := casstoretest.Put(t, s, "old content a commit is about to reuse")
+	other := casstoretest.Put(t, s, "old garbage")
 	ageAll(t, s)
 	var newRoot casstore.Hash
 	withHook(t, func() {
@@ -561,12 +473,8 @@ func TestCollectKeepsObjectsReusedDuringSweep(t *testing.T) {
 // root whose objects are all old) between the mark phase and the sweep keeps its tree.
 func TestCollectMarksRootsThatAppearDuringSweep(t *testing.T) {
 	ctx := context.Background()
-	s := newStore(t)
-	db, err := forks.OpenDB(filepath.Join(t.TempDir(), "forks.db"), time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { db.Close() })
+	s := casstoretest.NewStore(t)
+	db := openForkDB(t)
 	oldRoot := build(t, s, map[string]string{"dir/file": "old revision"})
 	cur := build(t, s, map[string]string{"dir/file": "current"})
 	f, err := db.Create(ctx, forks.CreateRequest{Base: cur})

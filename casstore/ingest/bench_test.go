@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/tidepool-dev/tidepool/casstore"
+	"github.com/tidepool-dev/tidepool/casstore/casstoretest"
 )
 
 // goSrc is the real source tree the benchmarks use: the Go toolchain's own sources.
@@ -70,7 +71,7 @@ type commitSetup struct {
 func newCommitSetup(b *testing.B, tree string, n int) commitSetup {
 	b.Helper()
 	requireRoot(b)
-	s := newStore(b)
+	s := casstoretest.NewStore(b)
 	base, _, err := Dir(b.Context(), s, tree, Options{})
 	if err != nil {
 		b.Fatal(err)
@@ -211,7 +212,7 @@ func BenchmarkIngestThroughput(b *testing.B) {
 		return time.Since(t0)
 	}
 	cat() // warm the page cache for both sides
-	warm := newStore(b)
+	warm := casstoretest.NewStore(b)
 	if _, _, err := Dir(b.Context(), warm, tree, Options{}); err != nil {
 		b.Fatal(err)
 	}

@@ -17,17 +17,8 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/tidepool-dev/tidepool/casstore"
+	"github.com/tidepool-dev/tidepool/casstore/casstoretest"
 )
-
-// tree writes a tree object and returns its hash, for spelling out expected roots.
-func tree(t testing.TB, s *casstore.Store, entries ...casstore.Entry) casstore.Hash {
-	t.Helper()
-	h, err := s.WriteTree(entries)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return h
-}
 
 func blob(s string) casstore.Hash { return casstore.Sum([]byte(s)) }
 
@@ -53,11 +44,11 @@ func TestDirRules(t *testing.T) {
 	}
 	defer l()
 
-	s := newStore(t)
-	emptier := tree(t, s)
-	empty := tree(t, s, casstore.Entry{Mode: casstore.ModeDir, Name: "emptier", Hash: emptier})
-	sub := tree(t, s, casstore.Entry{Mode: casstore.ModeFile, Name: ".gitignore", Hash: blob("*.o\n")})
-	deep := tree(t, s,
+	s := casstoretest.NewStore(t)
+	emptier := casstoretest.Tree(t, s)
+	empty := casstoretest.Tree(t, s, casstore.Entry{Mode: casstore.ModeDir, Name: "emptier", Hash: emptier})
+	sub := casstoretest.Tree(t, s, casstore.Entry{Mode: casstore.ModeFile, Name: ".gitignore", Hash: blob("*.o\n")})
+	deep := casstoretest.Tree(t, s,
 		casstore.Entry{Mode: casstore.ModeDir, Name: "empty", Hash: empty},
 		casstore.Entry{Mode: casstore.ModeDir, Name: "sub", Hash: sub})
 	common := []casstore.Entry{
@@ -66,8 +57,8 @@ func TestDirRules(t *testing.T) {
 		{Mode: casstore.ModeFile, Name: "plain", Hash: blob("text")},
 		{Mode: casstore.ModeExec, Name: "run", Hash: blob("#!/bin/sh\n")},
 	}
-	wantStrict := tree(t, s, common...)
-	wantDefault := tree(t, s, append(slices.Clone(common),
+	wantStrict := casstoretest.Tree(t, s, common...)
+	wantDefault := casstoretest.Tree(t, s, append(slices.Clone(common),
 		casstore.Entry{Mode: casstore.ModeSymlink, Name: "dirlink", Hash: blob("deep")},
 		casstore.Entry{Mode: casstore.ModeSymlink, Name: "dangling", Hash: blob("/nonexistent/\xff")})...)
 
@@ -112,7 +103,7 @@ func listenUnix(path string) (func(), error) {
 func TestDirNotADirectory(t *testing.T) {
 	dir := t.TempDir()
 	writeFile(t, filepath.Join(dir, "f"), "x", 0o644)
-	s := newStore(t)
+	s := casstoretest.NewStore(t)
 	for _, p := range []string{filepath.Join(dir, "f"), filepath.Join(dir, "missing")} {
 		if _, _, err := Dir(t.Context(), s, p, Options{}); err == nil || !strings.Contains(err.Error(), p) {
 			t.Errorf("Dir(%s) err = %v, want an error naming it", p, err)
@@ -184,7 +175,7 @@ func unreadableTree(t *testing.T) (dir, bad string) {
 
 func TestUnreadableFileAborts(t *testing.T) {
 	dir, bad := unreadableTree(t)
-	s := newStore(t)
+	s := casstoretest.NewStore(t)
 	before := objects(t, s)
 	for _, strict := range []bool{false, true} {
 		_, _, err := Dir(t.Context(), s, dir, Options{LunarStrict: strict})
@@ -213,7 +204,7 @@ func manyFiles(t testing.TB, n int) string {
 
 func TestCancelLeavesStoreUnchanged(t *testing.T) {
 	dir := manyFiles(t, 300)
-	s := newStore(t)
+	s := casstoretest.NewStore(t)
 
 	ctx, cancel := context.WithCancel(t.Context())
 	cancel()
@@ -238,7 +229,7 @@ func TestCancelLeavesStoreUnchanged(t *testing.T) {
 
 func TestProgressReportsTotals(t *testing.T) {
 	dir := manyFiles(t, 200)
-	s := newStore(t)
+	s := casstoretest.NewStore(t)
 	var mu sync.Mutex
 	var seen []Progress
 	_, st, err := Dir(t.Context(), s, dir, Options{Progress: func(p Progress) {
@@ -269,7 +260,7 @@ func TestProgressReportsTotals(t *testing.T) {
 func TestConcurrentIngests(t *testing.T) {
 	dir := manyFiles(t, 150)
 	writeFile(t, filepath.Join(dir, "big.bin"), strings.Repeat("0123456789abcdef", 1<<17), 0o644) // 2 MiB: the streaming path
-	s := newStore(t)
+	s := casstoretest.NewStore(t)
 	const n = 8
 	roots := make([]casstore.Hash, n)
 	var wg sync.WaitGroup

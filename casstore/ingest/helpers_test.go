@@ -15,15 +15,6 @@ import (
 	"github.com/tidepool-dev/tidepool/casstore"
 )
 
-func newStore(t testing.TB) *casstore.Store {
-	t.Helper()
-	s, err := casstore.Open(t.TempDir())
-	if err != nil {
-		t.Fatal(err)
-	}
-	return s
-}
-
 func requireRoot(t testing.TB) {
 	t.Helper()
 	if os.Geteuid() != 0 {

@@ -10,6 +10,7 @@ import (
 	"github.com/containerd/errdefs"
 
 	"github.com/tidepool-dev/tidepool/casstore"
+	"github.com/tidepool-dev/tidepool/casstore/casstoretest"
 )
 
 // TestLossyName pins the conversion to Rust's to_string_lossy (what LunarFS uses): one
@@ -53,7 +54,7 @@ func TestCollidingNamesRejected(t *testing.T) {
 		writeFile(t, filepath.Join(dir, "ok.txt"), "fine", 0o644)
 		writeFile(t, filepath.Join(dir, "sub", "n\xffx"), "one", 0o644)
 		writeFile(t, filepath.Join(dir, "sub", "n\xfex"), "two", 0o644)
-		s := newStore(t)
+		s := casstoretest.NewStore(t)
 		mustDir(t, s, t.TempDir(), Options{}) // something already in the store
 		before := objects(t, s)
 
@@ -78,7 +79,7 @@ func TestCollisionIgnoresSkippedEntries(t *testing.T) {
 	dir := t.TempDir()
 	writeFile(t, filepath.Join(dir, "n\xffx"), "one", 0o644)
 	mkfifo(t, filepath.Join(dir, "n\xfex"))
-	s := newStore(t)
+	s := casstoretest.NewStore(t)
 	root := mustDir(t, s, dir, Options{})
 	tree, err := s.ReadTree(root)
 	if err != nil {
@@ -93,7 +94,7 @@ func TestSingleNonUTF8Name(t *testing.T) {
 	dir := t.TempDir()
 	writeFile(t, filepath.Join(dir, "n\xffx"), "content", 0o600)
 	mkdirs(t, filepath.Join(dir, "d\xfe"))
-	s := newStore(t)
+	s := casstoretest.NewStore(t)
 	for _, strict := range []bool{false, true} {
 		root := mustDir(t, s, dir, Options{LunarStrict: strict})
 		tree, err := s.ReadTree(root)

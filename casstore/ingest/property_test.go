@@ -15,6 +15,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/tidepool-dev/tidepool/casstore"
+	"github.com/tidepool-dev/tidepool/casstore/casstoretest"
 )
 
 // namePool is small so that random edits keep hitting existing names; it holds a
@@ -288,7 +289,7 @@ func TestUpperEqualsMergedIngest(t *testing.T) {
 	if os.Getenv("TIDEPOOL_SEED") != "" {
 		iterations = 1
 	}
-	s := newStore(t)
+	s := casstoretest.NewStore(t)
 	outcomes := map[string]int{}
 	for i := range iterations {
 		iterSeed := seed + uint64(i)

@@ -4,12 +4,14 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 
 	"golang.org/x/sys/unix"
 
 	"github.com/tidepool-dev/tidepool/casstore"
+	"github.com/tidepool-dev/tidepool/casstore/casstoretest"
 )
 
 // mountOverlay mounts an overlay at merged and unmounts it at cleanup. With upper ""
@@ -363,7 +365,7 @@ func TestUpperRules(t *testing.T) {
 				layout = baseLayout
 			}
 			tmp := t.TempDir()
-			s := newStore(t)
+			s := casstoretest.NewStore(t)
 			src := filepath.Join(tmp, "src")
 			layout(t, src)
 			base := mustDir(t, s, src, opts)
@@ -392,7 +394,7 @@ func TestUpperRules(t *testing.T) {
 				if !strings.Contains(err.Error(), c.errText) {
 					t.Errorf("err = %v, want it to mention %s", err, c.errText)
 				}
-				if after := objects(t, s); !equalStrings(before, after) {
+				if after := objects(t, s); !slices.Equal(before, after) {
 					t.Errorf("failed commit changed the store: %d -> %d objects", len(before), len(after))
 				}
 			case c.wantEmpty:
@@ -452,20 +454,8 @@ func TestUpperRules(t *testing.T) {
 	}
 }
 
-func equalStrings(a, b []string) bool {
-	if len(a) != len(b) {
-		return false
-	}
-	for i := range a {
-		if a[i] != b[i] {
-			return false
-		}
-	}
-	return true
-}
-
 func TestUpperArguments(t *testing.T) {
-	s := newStore(t)
+	s := casstoretest.NewStore(t)
 	base := mustDir(t, s, t.TempDir(), Options{})
 	u := t.TempDir()
 	for _, bad := range []string{"/app", "../x", "a/../b"} {

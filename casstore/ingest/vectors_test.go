@@ -7,6 +7,7 @@ import (
 	"testing"
 
 	"github.com/tidepool-dev/tidepool/casstore"
+	"github.com/tidepool-dev/tidepool/casstore/casstoretest"
 	"github.com/tidepool-dev/tidepool/internal/vectors"
 )
 
@@ -53,7 +54,7 @@ func TestGoldenDirectories(t *testing.T) {
 		t.Run(d.ID, func(t *testing.T) {
 			dir := filepath.Join(t.TempDir(), "fixture")
 			links := buildFixture(t, d, dir)
-			s := newStore(t)
+			s := casstoretest.NewStore(t)
 
 			strict, st, err := Dir(t.Context(), s, dir, Options{LunarStrict: true})
 			if err != nil {
@@ -120,7 +121,7 @@ func TestRootSymlinkFollowed(t *testing.T) {
 	writeFile(t, filepath.Join(real, "a.txt"), "hello", 0o644)
 	writeFile(t, filepath.Join(real, "b.txt"), "world", 0o644)
 	symlink(t, "real", filepath.Join(tmp, "link"))
-	s := newStore(t)
+	s := casstoretest.NewStore(t)
 	got := mustDir(t, s, filepath.Join(tmp, "link"), Options{LunarStrict: true})
 	if want := "4b093b7ebd7dc129041900ab2c2942ffd771f6ed03f143592e8a06daf5d6b901"; got.String() != want {
 		t.Fatalf("root via symlink = %s, want flat-two-files root %s", got, want)

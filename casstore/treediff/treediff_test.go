@@ -16,85 +16,19 @@ import (
 	"github.com/containerd/errdefs"
 
 	"github.com/tidepool-dev/tidepool/casstore"
+	"github.com/tidepool-dev/tidepool/casstore/casstoretest"
 )
 
-// leaf is one non-directory entry (or an empty directory) of a test tree.
-type leaf struct {
-	mode casstore.Mode
-	data string
-}
+// Short names for the test trees the cases below are written in.
+type leaf = casstoretest.Leaf
 
-func file(s string) leaf { return leaf{casstore.ModeFile, s} }
-func exec(s string) leaf { return leaf{casstore.ModeExec, s} }
-func link(s string) leaf { return leaf{casstore.ModeSymlink, s} }
-func emptyDir() leaf     { return leaf{mode: casstore.ModeDir} }
-func newStore(t testing.TB) *casstore.Store {
-	t.Helper()
-	s, err := casstore.Open(t.TempDir())
-	if err != nil {
-		t.Fatal(err)
-	}
-	return s
-}
-
-type node struct {
-	leaf     *leaf
-	children map[string]*node
-}
-
-// build stores the tree described by leaves (path -> leaf) and returns its root.
-func build(t testing.TB, s *casstore.Store, leaves map[string]leaf) casstore.Hash {
-	t.Helper()
-	root := &node{children: map[string]*node{}}
-	for p, l := range leaves {
-		n := root
-		parts := strings.Split(p, "/")
-		for _, name := range parts[:len(parts)-1] {
-			c := n.children[name]
-			if c == nil {
-				c = &node{children: map[string]*node{}}
-				n.children[name] = c
-			}
-			n = c
-		}
-		l := l
-		if l.mode == casstore.ModeDir {
-			n.children[parts[len(parts)-1]] = &node{children: map[string]*node{}}
-		} else {
-			n.children[parts[len(parts)-1]] = &node{leaf: &l}
-		}
-	}
-	b, err := s.Begin()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer b.Abort()
-	var write func(n *node) casstore.Hash
-	write = func(n *node) casstore.Hash {
-		var ents []casstore.Entry
-		for name, c := range n.children {
-			if c.leaf != nil {
-				h, err := b.PutBytes([]byte(c.leaf.data))
-				if err != nil {
-					t.Fatal(err)
-				}
-				ents = append(ents, casstore.Entry{Mode: c.leaf.mode, Name: name, Hash: h})
-				continue
-			}
-			ents = append(ents, casstore.Entry{Mode: casstore.ModeDir, Name: name, Hash: write(c)})
-		}
-		h, err := b.WriteTree(ents)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return h
-	}
-	h := write(root)
-	if err := b.Commit(); err != nil {
-		t.Fatal(err)
-	}
-	return h
-}
+var (
+	file     = casstoretest.File
+	exec     = casstoretest.Exec
+	link     = casstoretest.Link
+	emptyDir = casstoretest.EmptyDir
+	build    = casstoretest.Build
+)
 
 // counting wraps a store and records every tree it is asked to read.
 type counting struct {
@@ -139,7 +73,7 @@ func mustDiff(t *testing.T, r TreeReader, a, b casstore.Hash) []Change {
 }
 
 func TestDiffCases(t *testing.T) {
-	s := newStore(t)
+	s := casstoretest.NewStore(t)
 	big := map[string]leaf{}
 	for i := 0; i < 50; i++ {
 		big[fmt.Sprintf("vendor/pkg%02d/file.go", i)] = file(fmt.Sprint(i))
@@ -198,7 +132,7 @@ func TestDiffCases(t *testing.T) {
 // directory reads exactly the trees on its path, and a large unchanged sibling is
 // never opened.
 func TestDiffPrunesEqualSubtrees(t *testing.T) {
-	s := newStore(t)
+	s := casstoretest.NewStore(t)
 	base := map[string]leaf{"src/a/b/c/main.go": file("v1"), "src/a/b/other.go": file("x")}
 	for i := 0; i < 200; i++ {
 		base[fmt.Sprintf("vendor/m%03d/n/file.go", i)] = file(fmt.Sprint(i))
@@ -236,7 +170,7 @@ func TestDiffPrunesEqualSubtrees(t *testing.T) {
 }
 
 func TestDiffChangeFields(t *testing.T) {
-	s := newStore(t)
+	s := casstoretest.NewStore(t)
 	a := build(t, s, map[string]leaf{"m": file("1"), "t": file("x"), "d": file("gone")})
 	b := build(t, s, map[string]leaf{"m": file("2"), "t": exec("x"), "n": link("m")})
 	cs := mustDiff(t, s, a, b)
@@ -271,7 +205,7 @@ func TestDiffChangeFields(t *testing.T) {
 }
 
 func TestDiffMissingTreeNamesPath(t *testing.T) {
-	s := newStore(t)
+	s := casstoretest.NewStore(t)
 	a := build(t, s, map[string]leaf{"keep": file("k"), "sub/x": file("1")})
 	b := build(t, s, map[string]leaf{"keep": file("k"), "sub/x": file("2")})
 	tb, err := s.ReadTree(b)
@@ -292,7 +226,7 @@ func TestDiffMissingTreeNamesPath(t *testing.T) {
 }
 
 func TestDiffHonoursCancel(t *testing.T) {
-	s := newStore(t)
+	s := casstoretest.NewStore(t)
 	a := build(t, s, map[string]leaf{"x/y": file("1")})
 	b := build(t, s, map[string]leaf{"x/y": file("2")})
 	ctx, cancel := context.WithCancel(context.Background())
@@ -305,7 +239,7 @@ func TestDiffHonoursCancel(t *testing.T) {
 // TestDiffMatchesNaive compares Diff with a brute-force diff of the fully flattened
 // trees on random pairs that share structure, in the spirit of LunarFS's semantics.
 func TestDiffMatchesNaive(t *testing.T) {
-	s := newStore(t)
+	s := casstoretest.NewStore(t)
 	seed := rand.Int63()
 	rng := rand.New(rand.NewSource(seed))
 	t.Logf("seed %d", seed)
@@ -334,7 +268,7 @@ func randomLeaf(rng *rand.Rand) leaf {
 	if m == casstore.ModeDir {
 		return emptyDir()
 	}
-	return leaf{m, datas[rng.Intn(len(datas))]}
+	return leaf{Mode: m, Data: datas[rng.Intn(len(datas))]}
 }
 
 func randomPath(rng *rand.Rand) string {
@@ -428,22 +362,22 @@ func naive(a, b map[string]leaf) []string {
 		lb, inb := b[p]
 		switch {
 		case ina && inb:
-			if la.mode == lb.mode && la.data == lb.data {
+			if la.Mode == lb.Mode && la.Data == lb.Data {
 				continue
 			}
-			if la.mode == casstore.ModeDir || lb.mode == casstore.ModeDir {
+			if la.Mode == casstore.ModeDir || lb.Mode == casstore.ModeDir {
 				out = append(out, ch{p, Deleted}, ch{p, Added})
-			} else if la.mode == lb.mode {
+			} else if la.Mode == lb.Mode {
 				out = append(out, ch{p, Modified})
 			} else {
 				out = append(out, ch{p, TypeMode})
 			}
 		case ina:
-			if !(la.mode == casstore.ModeDir && db[p]) {
+			if !(la.Mode == casstore.ModeDir && db[p]) {
 				out = append(out, ch{p, Deleted})
 			}
 		case inb:
-			if !(lb.mode == casstore.ModeDir && da[p]) {
+			if !(lb.Mode == casstore.ModeDir && da[p]) {
 				out = append(out, ch{p, Added})
 			}
 		}

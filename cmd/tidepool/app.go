@@ -194,6 +194,21 @@ func (a *app) resolve(ctx context.Context, ref string) (forks.Target, error) {
 	return forks.Resolve(ctx, svc, ref)
 }
 
+// target resolves a ROOT|FORK argument and then opens the store, the two steps every
+// command that reads a tree starts with (in this order, so a bad argument is reported
+// before a missing store).
+func (a *app) target(ctx context.Context, ref string) (*casstore.Store, forks.Target, error) {
+	t, err := a.resolve(ctx, ref)
+	if err != nil {
+		return nil, forks.Target{}, err
+	}
+	s, err := a.openStore()
+	if err != nil {
+		return nil, forks.Target{}, err
+	}
+	return s, t, nil
+}
+
 func (a *app) close() error {
 	var first error
 	for i := len(a.closers) - 1; i >= 0; i-- {

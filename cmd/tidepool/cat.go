@@ -22,11 +22,7 @@ object prints nothing and fails. For a symlink, the link target is printed.`,
 		Args: cobra.ExactArgs(2),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			ctx := cmd.Context()
-			t, err := a.resolve(ctx, args[0])
-			if err != nil {
-				return err
-			}
-			s, err := a.openStore()
+			s, t, err := a.target(ctx, args[0])
 			if err != nil {
 				return err
 			}

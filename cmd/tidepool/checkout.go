@@ -21,11 +21,7 @@ With --prefix P the tree lands in DIR/P. On failure nothing is left behind.`,
 		Args: cobra.ExactArgs(2),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			ctx := cmd.Context()
-			t, err := a.resolve(ctx, args[0])
-			if err != nil {
-				return err
-			}
-			s, err := a.openStore()
+			s, t, err := a.target(ctx, args[0])
 			if err != nil {
 				return err
 			}

@@ -32,11 +32,7 @@ null for the side that does not exist.`,
 			if err != nil {
 				return err
 			}
-			tb, err := a.resolve(ctx, args[1])
-			if err != nil {
-				return err
-			}
-			s, err := a.openStore()
+			s, tb, err := a.target(ctx, args[1]) // both arguments resolved before the store opens
 			if err != nil {
 				return err
 			}

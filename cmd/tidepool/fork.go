@@ -35,11 +35,7 @@ size; the root must be in the store. The new fork id goes to stdout.`,
 				return err
 			}
 			req.Labels = labels
-			t, err := a.resolve(ctx, args[0])
-			if err != nil {
-				return err
-			}
-			s, err := a.openStore()
+			s, t, err := a.target(ctx, args[0])
 			if err != nil {
 				return err
 			}

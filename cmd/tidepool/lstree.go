@@ -28,11 +28,7 @@ Paths holding control characters, '"' or '\' are printed as quoted Go strings.`,
 		Args: cobra.RangeArgs(1, 2),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			ctx := cmd.Context()
-			t, err := a.resolve(ctx, args[0])
-			if err != nil {
-				return err
-			}
-			s, err := a.openStore()
+			s, t, err := a.target(ctx, args[0])
 			if err != nil {
 				return err
 			}

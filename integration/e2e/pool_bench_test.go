@@ -73,22 +73,7 @@ func stampOf(b testing.TB, out string) time.Time {
 func BenchmarkPoolClaim(b *testing.B) {
 	archive := stampImage(b)
 	s := stack.Start(b, stack.Options{TidepooldConfig: func(s *stack.Stack) string {
-		shimCfg := filepath.Join(s.Dir, "shim.toml")
-		os.WriteFile(shimCfg, []byte(fmt.Sprintf("api_address = %q\n", s.APIAddress)), 0o644)
-		return fmt.Sprintf(`
-[pools]
-containerd_address = %q
-namespace = %q
-holder = %q
-shim_config = %q
-[[pools.template]]
-name = "stamp"
-image = %q
-workdir = "/app"
-target = 4
-max = 8
-refill_rate = 20.0
-`, s.C.Address, s.C.Namespace, filepath.Join(s.Bin, "tidepool-holder"), shimCfg, stampRef)
+		return poolConfig(s, "stamp", stampRef, 4, "")
 	}})
 	s.C.ImportImage(b, archive, stampRef, "tidepool")
 	root := s.Ingest(b, writeTree(b, appSource))

@@ -20,21 +20,18 @@ import (
 	"github.com/tidepool-dev/tidepool/localapi"
 )
 
-// poolStack starts a stack whose tidepoold keeps a pool of the Node image.
-func poolStack(t testing.TB, target int, extra string) *stack.Stack {
-	t.Helper()
-	node := imagebuild.NodeArchive(t)
-	s := stack.Start(t, stack.Options{TidepooldConfig: func(s *stack.Stack) string {
-		shimCfg := filepath.Join(s.Dir, "shim.toml")
-		os.WriteFile(shimCfg, []byte(fmt.Sprintf("api_address = %q\n", s.APIAddress)), 0o644)
-		return fmt.Sprintf(`
+// poolConfig is tidepoold's configuration for one pool in the stack's containerd.
+func poolConfig(s *stack.Stack, name, image string, target int, extra string) string {
+	shimCfg := filepath.Join(s.Dir, "shim.toml")
+	os.WriteFile(shimCfg, []byte(fmt.Sprintf("api_address = %q\n", s.APIAddress)), 0o644)
+	return fmt.Sprintf(`
 [pools]
 containerd_address = %q
 namespace = %q
 holder = %q
 shim_config = %q
 [[pools.template]]
-name = "node"
+name = %q
 image = %q
 workdir = "/app"
 owner = "0:0"
@@ -43,7 +40,15 @@ target = %d
 max = %d
 refill_rate = 20.0
 max_age = "1h"
-%s`, s.C.Address, s.C.Namespace, filepath.Join(s.Bin, "tidepool-holder"), shimCfg, imagebuild.NodeRef, target, 2*target, extra)
+%s`, s.C.Address, s.C.Namespace, filepath.Join(s.Bin, "tidepool-holder"), shimCfg, name, image, target, 2*target, extra)
+}
+
+// poolStack starts a stack whose tidepoold keeps a pool of the Node image.
+func poolStack(t testing.TB, target int, extra string) *stack.Stack {
+	t.Helper()
+	node := imagebuild.NodeArchive(t)
+	s := stack.Start(t, stack.Options{Metrics: true, TidepooldConfig: func(s *stack.Stack) string {
+		return poolConfig(s, "node", imagebuild.NodeRef, target, extra)
 	}})
 	s.C.ImportImage(t, node.Path, imagebuild.NodeRef, "tidepool")
 	return s
@@ -139,7 +144,6 @@ func TestPoolRun(t *testing.T) {
 	}
 	waitPool(t, s, "node", 2)
 }
-
 
 // TestPoolSignalDeath: a workload killed by a signal reports 128+N, as a cold
 // container killed the same way does through ctr.
@@ -311,4 +315,62 @@ func TestPoolReconcileAfterDaemonKill(t *testing.T) {
 	}
 	waitPool(t, s, "node", 3)
 	waitFor(t, "only the members left", func() string { return checkOnlyMembers(t, s, 3) })
+}
+
+// TestPoolTransparentAdoption: a container created with --runtime tidepool and the
+// dev.tidepool.pool annotation (as `nerdctl run` would) adopts a warm member. For ctr
+// it is an ordinary container: its task's pid, output, exit status, kill and delete,
+// and its snapshot (re-keyed to the member's data) behave as a cold one's. A
+// container that is not eligible (an extra mount) starts cold, and that is counted.
+func TestPoolTransparentAdoption(t *testing.T) {
+	s := poolStack(t, 2, "")
+	root := s.Ingest(t, writeTree(t, appSource))
+	waitPool(t, s, "node", 2)
+	flags := append(shimFlags(t, s, ""), annotations("dev.tidepool.pool=node", "dev.tidepool.fork="+root, "dev.tidepool.workdir=/app")...)
+
+	out, err := s.Ctr(append(append([]string{"run", "--rm", "--fifo-dir", s.C.FIFODir}, flags...), imagebuild.NodeRef, "adopt1",
+		"sh", "-c", "node /app/src/main.js; echo more >> /app/README.md; echo to-stderr >&2; exit 5")...)
+	if err == nil || !strings.Contains(err.Error(), "exit status 5") || out != "hello Tidepool\n" {
+		t.Fatalf("adopted run: stdout %q, err %v", out, err)
+	}
+	if n := s.Metric(t, "tidepool_pool_claim_seconds_count", `pool="node"`); n != 1 {
+		t.Fatalf("%v warm claims recorded, want 1 (the container did not adopt a member)", n)
+	}
+	f := forkOfContainer(t, s, "adopt1", root)
+	if d := s.MustTidepool(t, "diff", root, f.ID); d != "M README.md\n" {
+		t.Fatalf("adopted container's fork changes %q", d)
+	}
+
+	// Detached: ctr sees an ordinary task, and the snapshot is the member's data.
+	waitPool(t, s, "node", 2)
+	s.MustCtr(t, append(append([]string{"run", "-d", "--fifo-dir", s.C.FIFODir}, flags...), imagebuild.NodeRef, "adopt2", "sleep", "1000")...)
+	waitStatus(t, s, "adopt2", "RUNNING")
+	var member string
+	for _, id := range strings.Fields(s.MustCtr(t, "container", "ls", "-q")) {
+		if info := s.MustCtr(t, "container", "info", id); strings.Contains(info, `"dev.tidepool.adopted-by": "adopt2"`) {
+			member = id
+		}
+	}
+	if member == "" {
+		t.Fatal("no member records adopt2 as its adopter")
+	}
+	if m := s.MustCtr(t, "snapshot", "--snapshotter", "tidepool", "mounts", "/x", "adopt2"); !strings.Contains(m, "/views/") {
+		t.Fatalf("adopt2's snapshot is not the member's (no fork view): %s", m)
+	}
+	s.MustCtr(t, "task", "kill", "-s", "KILL", "adopt2")
+	waitStatus(t, s, "adopt2", "STOPPED")
+	s.MustCtr(t, "task", "rm", "adopt2")
+	s.MustCtr(t, "container", "rm", "adopt2")
+
+	// Not eligible: an extra bind mount was not in the template. It starts cold.
+	cold := append(append([]string{"run", "--rm", "--fifo-dir", s.C.FIFODir, "--mount", "type=bind,src=/etc,dst=/host-etc,options=rbind:ro"}, flags...),
+		imagebuild.NodeRef, "cold1", "sh", "-c", "test -f /host-etc/passwd && node /app/src/main.js")
+	if out := s.MustCtr(t, cold...); out != "hello Tidepool\n" {
+		t.Fatalf("cold fallback printed %q", out)
+	}
+	if n := s.Metric(t, "tidepool_pool_cold_fallbacks_total", `pool="node"`, `reason="mounts"`); n != 1 {
+		t.Fatalf("cold fallbacks for mounts: %v, want 1", n)
+	}
+	waitPool(t, s, "node", 2)
+	waitFor(t, "only the members left", func() string { return checkOnlyMembers(t, s, 2) })
 }

@@ -9,6 +9,9 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"io"
+	"net"
+	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -77,6 +80,9 @@ type Options struct {
 	// TidepooldConfig, if set, returns TOML for tidepoold's --config; it is called
 	// once containerd runs, so it can name containerd's address and namespace.
 	TidepooldConfig func(s *Stack) string
+	// Metrics serves tidepoold's Prometheus metrics on a free local port
+	// (Stack.MetricsURL); otherwise they are off.
+	Metrics bool
 	// Prepare, if set, adjusts the containerd options once the stack's paths (API
 	// socket, directory) are known and before containerd starts.
 	Prepare func(s *Stack, o *harness.Options)
@@ -91,6 +97,8 @@ type Stack struct {
 	Bin         string
 	Daemon      *harness.Daemon
 	C           *harness.Containerd
+	// MetricsURL is tidepoold's /metrics when Options.Metrics is set.
+	MetricsURL string
 }
 
 // Start starts tidepoold, then containerd configured to use it.
@@ -157,8 +165,18 @@ func Start(t testing.TB, opts Options) *Stack {
 `, platforms.DefaultString()) + co.ExtraTOML
 	s.C = harness.StartContainerd(t, co)
 
+	metrics := "none"
+	if opts.Metrics {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		metrics = l.Addr().String()
+		l.Close()
+		s.MetricsURL = "http://" + metrics + "/metrics"
+	}
 	args := []string{"--root", s.Root, "--address", s.SnapAddress, "--api-address", s.APIAddress,
-		"--metrics-address", "none", "--log-level", "debug"}
+		"--metrics-address", metrics, "--log-level", "debug"}
 	cfg := ""
 	if opts.TidepooldConfig != nil {
 		cfg = opts.TidepooldConfig(s)
@@ -266,4 +284,32 @@ func (s *Stack) WaitFork(t testing.TB, what string, ok func(forks.Fork) bool) fo
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
+}
+
+// Metric returns the sum of a Prometheus metric's samples whose label set contains
+// every given "name=\"value\"" pair, from tidepoold's /metrics.
+func (s *Stack) Metric(t testing.TB, name string, labels ...string) float64 {
+	t.Helper()
+	resp, err := http.Get(s.MetricsURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	body, _ := io.ReadAll(resp.Body)
+	var sum float64
+	for _, line := range strings.Split(string(body), "\n") {
+		if !strings.HasPrefix(line, name+"{") && !strings.HasPrefix(line, name+" ") {
+			continue
+		}
+		ok := true
+		for _, l := range labels {
+			ok = ok && strings.Contains(line, l)
+		}
+		if f := strings.Fields(line); ok && len(f) == 2 {
+			var v float64
+			fmt.Sscan(f[1], &v)
+			sum += v
+		}
+	}
+	return sum
 }

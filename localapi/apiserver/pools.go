@@ -2,15 +2,21 @@ package apiserver
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
+	"fmt"
 	"io"
 	"sync"
 	"syscall"
 
 	"github.com/containerd/errdefs"
 	"github.com/containerd/errdefs/pkg/errgrpc"
+	specs "github.com/opencontainers/runtime-spec/specs-go"
+	"google.golang.org/protobuf/types/known/emptypb"
+	"google.golang.org/protobuf/types/known/timestamppb"
 
 	apiv1 "github.com/tidepool-dev/tidepool/api/v1"
+	"github.com/tidepool-dev/tidepool/localapi"
 	"github.com/tidepool-dev/tidepool/pool"
 )
 
@@ -121,4 +127,65 @@ func (s poolsServer) List(context.Context, *apiv1.ListPoolsRequest) (*apiv1.List
 			Claimed: int32(st.Claimed), Starting: int32(st.Starting), Min: int32(st.Min), Target: int32(st.Target), Max: int32(st.Max)})
 	}
 	return out, nil
+}
+
+func (s poolsServer) Adopt(ctx context.Context, r *apiv1.AdoptRequest) (*apiv1.AdoptResponse, error) {
+	if s.Pools == nil {
+		return &apiv1.AdoptResponse{ColdReason: "no_pools"}, nil
+	}
+	var spec specs.Spec
+	if err := json.Unmarshal(r.GetSpec(), &spec); err != nil {
+		return nil, errgrpc.ToGRPC(fmt.Errorf("container spec: %v: %w", err, errdefs.ErrInvalidArgument))
+	}
+	a, err := s.Pools.Adopt(ctx, pool.AdoptRequest{
+		Pool: r.GetPool(), ContainerID: r.GetContainerId(), Rootfs: localapi.MountsFromProto(r.GetRootfs()), Spec: &spec,
+		Fork: r.GetFork(), Workdir: r.GetWorkdir(), Owner: r.GetOwner(), Discard: r.GetDiscard(), Runtime: r.GetRuntime(),
+	})
+	if err != nil {
+		return nil, errgrpc.ToGRPC(err)
+	}
+	resp := &apiv1.AdoptResponse{ColdReason: a.ColdReason, Member: a.Member, Pid: a.Pid, ControlSocket: a.ControlSocket, ForkId: a.ForkID}
+	if !a.Root.IsZero() {
+		resp.Root = a.Root.String()
+	}
+	return resp, nil
+}
+
+func (s poolsServer) StartMember(ctx context.Context, r *apiv1.MemberRequest) (*emptypb.Empty, error) {
+	return s.member(func() error { return s.Pools.StartMember(ctx, r.GetMember()) })
+}
+
+func (s poolsServer) SignalMember(ctx context.Context, r *apiv1.SignalMemberRequest) (*emptypb.Empty, error) {
+	return s.member(func() error {
+		return s.Pools.SignalMember(ctx, r.GetMember(), syscall.Signal(r.GetSignal()), r.GetAll())
+	})
+}
+
+func (s poolsServer) PauseMember(ctx context.Context, r *apiv1.PauseMemberRequest) (*emptypb.Empty, error) {
+	return s.member(func() error { return s.Pools.PauseMember(ctx, r.GetMember(), r.GetPause()) })
+}
+
+func (s poolsServer) ReleaseMember(ctx context.Context, r *apiv1.MemberRequest) (*emptypb.Empty, error) {
+	return s.member(func() error { return s.Pools.ReleaseMember(ctx, r.GetMember()) })
+}
+
+func (s poolsServer) WaitMember(ctx context.Context, r *apiv1.MemberRequest) (*apiv1.WaitMemberResponse, error) {
+	if s.Pools == nil {
+		return nil, errgrpc.ToGRPC(errdefs.ErrNotFound.WithMessage("this tidepoold has no pools"))
+	}
+	st, err := s.Pools.WaitMember(ctx, r.GetMember())
+	if err != nil {
+		return nil, errgrpc.ToGRPC(err)
+	}
+	return &apiv1.WaitMemberResponse{ExitStatus: st.ExitCode(), ExitedAt: timestamppb.New(st.ExitTime())}, nil
+}
+
+func (s poolsServer) member(fn func() error) (*emptypb.Empty, error) {
+	if s.Pools == nil {
+		return nil, errgrpc.ToGRPC(errdefs.ErrNotFound.WithMessage("this tidepoold has no pools"))
+	}
+	if err := fn(); err != nil {
+		return nil, errgrpc.ToGRPC(err)
+	}
+	return &emptypb.Empty{}, nil
 }

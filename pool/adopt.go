@@ -1,0 +1,325 @@
+package pool
+
+import (
+	"context"
+	"fmt"
+	"path/filepath"
+	"reflect"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	containerd "github.com/containerd/containerd/v2/client"
+	"github.com/containerd/containerd/v2/core/mount"
+	"github.com/containerd/errdefs"
+	"github.com/containerd/log"
+	specs "github.com/opencontainers/runtime-spec/specs-go"
+
+	"github.com/tidepool-dev/tidepool/casstore"
+	"github.com/tidepool-dev/tidepool/pool/holder"
+	"github.com/tidepool-dev/tidepool/snapshotter"
+)
+
+// LabelAdoptedBy names the container that adopted a member.
+const LabelAdoptedBy = "dev.tidepool.adopted-by"
+
+// AdoptRequest is a container created with the dev.tidepool.pool annotation, as its
+// runtime shim sees it at create.
+type AdoptRequest struct {
+	Pool        string
+	ContainerID string
+	Rootfs      []mount.Mount
+	Spec        *specs.Spec
+	Fork        string
+	Workdir     string
+	Owner       string
+	Discard     bool
+	// Runtime is the shim route the container resolved to.
+	Runtime string
+}
+
+// Adoption is the member a container adopted, or why it must start cold.
+type Adoption struct {
+	ColdReason    string
+	Member        string
+	Pid           uint32
+	ControlSocket string
+	ForkID        string
+	Root          casstore.Hash
+}
+
+// adopted is the bookkeeping of a member driven by a container's shim.
+type adopted struct {
+	m         *Member
+	container string
+	once      sync.Once
+	done      chan struct{}
+	status    containerd.ExitStatus
+}
+
+func (a *adopted) watch() {
+	a.once.Do(func() {
+		go func() {
+			a.status = <-a.m.exited
+			close(a.done)
+		}()
+	})
+}
+
+// Adopt gives an eligible container an idle member of its pool: the member's
+// snapshot is re-keyed to the container's (so the container's snapshot is what the
+// task runs on), the fork is bound to it, and the shim then hands the holder the
+// container's process and stdio and starts it. A container that is not eligible gets
+// a cold reason, which is logged and counted, and is created as usual.
+func (c *Controller) Adopt(ctx context.Context, req AdoptRequest) (Adoption, error) {
+	ctx = c.nsContext(ctx)
+	p, err := c.pool(req.Pool)
+	if err != nil {
+		return Adoption{}, fmt.Errorf("%s=%q: %w", LabelPool, req.Pool, err)
+	}
+	if err := c.waitReady(ctx); err != nil {
+		return Adoption{}, err
+	}
+	cold := func(reason string) (Adoption, error) {
+		c.metrics.coldFallbacks.WithLabelValues(p.t.Name, reason).Inc()
+		log.G(ctx).WithField("pool", p.t.Name).WithField("container", req.ContainerID).WithField("reason", reason).Info("pools: container not eligible for a warm member; starting cold")
+		return Adoption{ColdReason: reason}, nil
+	}
+	key, err := c.sn.KeyFromMounts(ctx, req.Rootfs)
+	if err != nil {
+		return cold("not_a_tidepool_snapshot")
+	}
+	info, err := c.sn.Stat(ctx, key)
+	if err != nil {
+		return Adoption{}, err
+	}
+	if _, bound := info.Labels["containerd.io/snapshot/tidepool.fork"]; bound {
+		return cold("snapshot_has_fork")
+	}
+	if req.Workdir != "" && filepath.Clean(req.Workdir) != p.t.Workdir {
+		return cold("workdir")
+	}
+	if req.Owner != "" && req.Owner != p.t.Owner {
+		return cold("owner")
+	}
+	if req.Runtime != p.t.Runtime {
+		return cold("runtime")
+	}
+	m := p.takeIdle()
+	if m == nil {
+		return cold("no_idle_member")
+	}
+	release := func(reason string) {
+		p.release()
+		go p.discard(context.WithoutCancel(ctx), m, reason)
+	}
+	memberSpec, err := m.container.Spec(ctx)
+	if err != nil {
+		release("error")
+		return Adoption{}, err
+	}
+	if reason := ineligible(memberSpec, req.Spec); reason != "" {
+		p.giveBack(m) // nothing touched it
+		return cold(reason)
+	}
+	mInfo, err := c.sn.Stat(ctx, m.snapKey)
+	if err != nil || mInfo.Parent != info.Parent {
+		p.giveBack(m)
+		return cold("image")
+	}
+	if err := c.sn.CheckLateBind(ctx, m.snapKey); err != nil {
+		release("tainted")
+		return cold("tainted_member")
+	}
+	if err := c.sn.Rekey(ctx, m.snapKey, key); err != nil {
+		release("rekey_failed")
+		return Adoption{}, err
+	}
+	a := Adoption{Member: m.id, ControlSocket: filepath.Join(m.dir, holder.ControlName)}
+	// From here the member's data is the container's snapshot; a failure ends the
+	// member (its task runs on that data) and the container's create fails.
+	m.snapKey = key
+	if req.Fork != "" {
+		res, err := c.sn.Bind(ctx, snapshotter.BindRequest{Key: key, Fork: req.Fork, Discard: req.Discard})
+		if err != nil {
+			release("bind_failed")
+			return Adoption{}, err
+		}
+		a.ForkID, a.Root = res.ForkID, res.Root
+	}
+	a.Pid = m.task.Pid()
+	ad := &adopted{m: m, container: req.ContainerID, done: make(chan struct{})}
+	ad.watch()
+	c.mu.Lock()
+	if c.adoptions == nil {
+		c.adoptions = map[string]*adopted{}
+	}
+	c.adoptions[m.id] = ad
+	c.mu.Unlock()
+	go m.container.SetLabels(context.WithoutCancel(ctx), map[string]string{LabelState: stateClaimed, LabelAdoptedBy: req.ContainerID})
+	log.G(ctx).WithField("member", m.id).WithField("container", req.ContainerID).Debug("pools: container adopted a warm member")
+	return a, nil
+}
+
+func (c *Controller) adoption(member string) (*adopted, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	a, ok := c.adoptions[member]
+	if !ok {
+		return nil, fmt.Errorf("no adopted member %q: %w", member, errdefs.ErrNotFound)
+	}
+	return a, nil
+}
+
+// StartMember thaws an adopted member whose holder has been handed its workload.
+func (c *Controller) StartMember(ctx context.Context, member string) error {
+	ctx = c.nsContext(ctx)
+	a, err := c.adoption(member)
+	if err != nil {
+		return err
+	}
+	start := time.Now()
+	if err := a.m.task.Resume(ctx); err != nil {
+		return fmt.Errorf("start member %s: %w", member, err)
+	}
+	c.metrics.claimSeconds.WithLabelValues(a.m.pool.t.Name).Observe(time.Since(start).Seconds())
+	return nil
+}
+
+// SignalMember forwards a signal to an adopted member's workload.
+func (c *Controller) SignalMember(ctx context.Context, member string, sig syscall.Signal, all bool) error {
+	ctx = c.nsContext(ctx)
+	a, err := c.adoption(member)
+	if err != nil {
+		return err
+	}
+	var opts []containerd.KillOpts
+	if all {
+		opts = append(opts, containerd.WithKillAll)
+	}
+	return a.m.task.Kill(ctx, sig, opts...)
+}
+
+// PauseMember freezes or thaws an adopted member.
+func (c *Controller) PauseMember(ctx context.Context, member string, pause bool) error {
+	ctx = c.nsContext(ctx)
+	a, err := c.adoption(member)
+	if err != nil {
+		return err
+	}
+	if pause {
+		return a.m.task.Pause(ctx)
+	}
+	return a.m.task.Resume(ctx)
+}
+
+// WaitMember waits for an adopted member's workload to exit.
+func (c *Controller) WaitMember(ctx context.Context, member string) (containerd.ExitStatus, error) {
+	a, err := c.adoption(member)
+	if err != nil {
+		return containerd.ExitStatus{}, err
+	}
+	select {
+	case <-a.done:
+		return a.status, nil
+	case <-ctx.Done():
+		return containerd.ExitStatus{}, ctx.Err()
+	}
+}
+
+// ReleaseMember destroys an adopted member once its container's task is deleted. Its
+// changes are committed when containerd removes the container's snapshot, which after
+// the re-key is the member's data, exactly as for a cold container.
+func (c *Controller) ReleaseMember(ctx context.Context, member string) error {
+	ctx = c.nsContext(ctx)
+	a, err := c.adoption(member)
+	if err != nil {
+		return err
+	}
+	c.mu.Lock()
+	delete(c.adoptions, member)
+	c.mu.Unlock()
+	a.m.pool.release()
+	go a.m.pool.destroy(context.WithoutCancel(ctx), a.m)
+	return nil
+}
+
+// takeIdle takes the oldest idle member without waiting.
+func (p *Pool) takeIdle() *Member {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if len(p.idle) == 0 {
+		return nil
+	}
+	m := p.idle[0]
+	p.idle = p.idle[1:]
+	p.claimed++
+	return m
+}
+
+// giveBack returns a member nothing touched (an eligibility check said no).
+func (p *Pool) giveBack(m *Member) {
+	p.mu.Lock()
+	p.claimed--
+	p.idle = append([]*Member{m}, p.idle...)
+	p.mu.Unlock()
+}
+
+// ineligible compares a container's spec with a member's: everything that is fixed
+// when a container is created (runc create) must be the same, except the process
+// itself, which the holder takes late. It returns the first difference, or "".
+func ineligible(member, req *specs.Spec) string {
+	if req == nil || req.Process == nil || member.Process == nil {
+		return "spec"
+	}
+	switch {
+	case req.Process.Terminal:
+		return "terminal"
+	case !reflect.DeepEqual(req.Process.User, member.Process.User):
+		return "user"
+	case !reflect.DeepEqual(req.Process.Capabilities, member.Process.Capabilities):
+		return "capabilities"
+	case req.Process.NoNewPrivileges != member.Process.NoNewPrivileges,
+		!reflect.DeepEqual(req.Process.Rlimits, member.Process.Rlimits),
+		req.Process.ApparmorProfile != member.Process.ApparmorProfile,
+		req.Process.SelinuxLabel != member.Process.SelinuxLabel:
+		return "security"
+	case req.Hostname != member.Hostname:
+		return "hostname"
+	case !reflect.DeepEqual(req.Root, member.Root):
+		return "root"
+	case !reflect.DeepEqual(req.Hooks, member.Hooks) && req.Hooks != nil:
+		return "hooks"
+	case !reflect.DeepEqual(req.Mounts, memberMounts(member)):
+		return "mounts"
+	}
+	rl, ml := req.Linux, member.Linux
+	if rl == nil || ml == nil {
+		return "spec"
+	}
+	switch {
+	case !reflect.DeepEqual(rl.Namespaces, ml.Namespaces):
+		return "namespaces"
+	case !reflect.DeepEqual(rl.Seccomp, ml.Seccomp),
+		!reflect.DeepEqual(rl.MaskedPaths, ml.MaskedPaths),
+		!reflect.DeepEqual(rl.ReadonlyPaths, ml.ReadonlyPaths),
+		!reflect.DeepEqual(rl.Sysctl, ml.Sysctl),
+		!reflect.DeepEqual(rl.Devices, ml.Devices):
+		return "security"
+	case !reflect.DeepEqual(rl.UIDMappings, ml.UIDMappings), !reflect.DeepEqual(rl.GIDMappings, ml.GIDMappings):
+		return "user_namespace"
+	}
+	return ""
+}
+
+// memberMounts are a member's mounts without the holder's own.
+func memberMounts(s *specs.Spec) []specs.Mount {
+	var out []specs.Mount
+	for _, m := range s.Mounts {
+		if !strings.HasPrefix(m.Destination, "/.tidepool/") {
+			out = append(out, m)
+		}
+	}
+	return out
+}
