@@ -23,6 +23,9 @@ type Config struct {
 	Address        string `toml:"address" comment:"Unix socket the snapshotter's gRPC service listens on (tidepoold only).\nPoint containerd's [proxy_plugins.tidepool] address here."`
 	APIAddress     string `toml:"api_address" comment:"Unix socket of the local API (forks, bind, pools) used by the tidepool CLI and the shim."`
 	MetricsAddress string `toml:"metrics_address" comment:"TCP address serving Prometheus metrics at /metrics; empty disables."`
+	// ContainerdAddress is where tidepoold reaches containerd (pools, and prompt
+	// collection of removed snapshots); empty disables both.
+	ContainerdAddress string `toml:"containerd_address" comment:"containerd's socket, for warm pools and for asking containerd to collect removed snapshots at once (so forks advance right after a container is removed); empty: neither."`
 
 	Store       StoreConfig       `toml:"store"`
 	Snapshotter SnapshotterConfig `toml:"snapshotter"`
@@ -60,7 +63,6 @@ type MaintenanceConfig struct {
 
 // PoolsConfig configures warm pools of pre-created, frozen members.
 type PoolsConfig struct {
-	ContainerdAddress string         `toml:"containerd_address" comment:"containerd socket the pool members live in."`
 	Namespace         string         `toml:"namespace" comment:"containerd namespace of the members (visible with ctr -n)."`
 	Holder            string         `toml:"holder" comment:"tidepool-holder binary (pid 1 of members); empty: beside tidepoold."`
 	ShimConfig        string         `toml:"shim_config" comment:"tidepool shim config given to members' tasks; empty: the shim's default."`
@@ -104,9 +106,9 @@ func DefaultConfig() *Config {
 			GCInterval:        0,
 			GCGrace:           Duration(time.Hour),
 		},
+		ContainerdAddress: "/run/containerd/containerd.sock",
 		Pools: PoolsConfig{
-			ContainerdAddress: "/run/containerd/containerd.sock",
-			Namespace:         "tidepool",
+			Namespace: "tidepool",
 		},
 	}
 }

@@ -19,7 +19,7 @@ func newPoolController(c *Core) (*pool.Controller, error) {
 		}
 	}
 	cfg := pool.Config{
-		ContainerdAddress: pc.ContainerdAddress,
+		ContainerdAddress: c.Config.ContainerdAddress,
 		Namespace:         pc.Namespace,
 		StateDir:          filepath.Join(c.Config.Root, "pools"),
 		Holder:            holder,

@@ -259,4 +259,3 @@ func (s *Snapshotter) List(ctx context.Context) ([]SnapshotBinding, error) {
 	})
 	return out, err
 }
-

@@ -36,6 +36,7 @@ func run(args []string) error {
 		address      = fs.String("address", "", "snapshotter gRPC socket (overrides address)")
 		apiAddress   = fs.String("api-address", "", "local API socket (overrides api_address)")
 		metricsAddr  = fs.String("metrics-address", "", "Prometheus metrics address, \"none\" to disable (overrides metrics_address)")
+		ctrdAddr     = fs.String("containerd-address", "", "containerd socket, \"none\" to disable (overrides containerd_address)")
 		logLevel     = fs.String("log-level", "info", "log level (debug, info, warn, error)")
 		printDefault = fs.Bool("print-default-config", false, "print the default configuration and exit")
 	)
@@ -61,13 +62,14 @@ func run(args []string) error {
 	if err != nil {
 		return err
 	}
-	for flagValue, field := range map[*string]*string{root: &cfg.Root, address: &cfg.Address, apiAddress: &cfg.APIAddress, metricsAddr: &cfg.MetricsAddress} {
+	for flagValue, field := range map[*string]*string{root: &cfg.Root, address: &cfg.Address, apiAddress: &cfg.APIAddress,
+		metricsAddr: &cfg.MetricsAddress, ctrdAddr: &cfg.ContainerdAddress} {
 		if *flagValue != "" {
 			*field = *flagValue
 		}
-	}
-	if cfg.MetricsAddress == "none" {
-		cfg.MetricsAddress = ""
+		if *field == "none" {
+			*field = ""
+		}
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()

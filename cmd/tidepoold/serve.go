@@ -26,6 +26,7 @@ import (
 	"github.com/tidepool-dev/tidepool/localapi/apiserver"
 	"github.com/tidepool-dev/tidepool/plugin"
 	"github.com/tidepool-dev/tidepool/pool"
+	"github.com/tidepool-dev/tidepool/snapshotgc"
 )
 
 // shutdownGrace bounds how long in-flight RPCs (a commit on Remove, say) may run after
@@ -127,6 +128,12 @@ func serve(ctx context.Context, cfg *plugin.Config) (retErr error) {
 		mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
 		metricsSrv = &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
 		go func() { errc <- metricsSrv.Serve(l) }()
+	}
+
+	if cfg.ContainerdAddress != "" {
+		gcCtx, stopGC := context.WithCancel(ctx)
+		defer stopGC()
+		go snapshotgc.Run(gcCtx, cfg.ContainerdAddress, plugin.ID)
 	}
 
 	stateFile := filepath.Join(cfg.Root, StateFileName)

@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 	"sort"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -26,7 +27,6 @@ func poolConfig(s *stack.Stack, name, image string, target int, extra string) st
 	os.WriteFile(shimCfg, []byte(fmt.Sprintf("api_address = %q\n", s.APIAddress)), 0o644)
 	return fmt.Sprintf(`
 [pools]
-containerd_address = %q
 namespace = %q
 holder = %q
 shim_config = %q
@@ -40,7 +40,7 @@ target = %d
 max = %d
 refill_rate = 20.0
 max_age = "1h"
-%s`, s.C.Address, s.C.Namespace, filepath.Join(s.Bin, "tidepool-holder"), shimCfg, name, image, target, 2*target, extra)
+%s`, s.C.Namespace, filepath.Join(s.Bin, "tidepool-holder"), shimCfg, name, image, target, 2*target, extra)
 }
 
 // poolStack starts a stack whose tidepoold keeps a pool of the Node image.
@@ -156,7 +156,7 @@ func TestPoolSignalDeath(t *testing.T) {
 	}
 	defer client.Close()
 	sigs := make(chan os.Signal, 1)
-	var out bytes.Buffer
+	var out syncBuffer
 	done := make(chan struct{})
 	var exit *apiv1.RunExit
 	go func() {
@@ -176,7 +176,7 @@ func TestPoolSignalDeath(t *testing.T) {
 	// The same workload, cold, killed through ctr.
 	cold := exec.Command(ctrPath(t), "--address", s.C.Address, "--namespace", s.C.Namespace, "run", "--rm", "--fifo-dir", s.C.FIFODir,
 		"--snapshotter", "tidepool", imagebuild.NodeRef, "cold-kill", "sh", "-c", "echo up; sleep 1000")
-	var coldOut bytes.Buffer
+	var coldOut syncBuffer
 	cold.Stdout = &coldOut
 	if err := cold.Start(); err != nil {
 		t.Fatal(err)
@@ -373,4 +373,22 @@ func TestPoolTransparentAdoption(t *testing.T) {
 	}
 	waitPool(t, s, "node", 2)
 	waitFor(t, "only the members left", func() string { return checkOnlyMembers(t, s, 2) })
+}
+
+// syncBuffer is a bytes.Buffer safe for one writer and one polling reader.
+type syncBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (b *syncBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *syncBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.String()
 }

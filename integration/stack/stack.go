@@ -176,7 +176,7 @@ func Start(t testing.TB, opts Options) *Stack {
 		s.MetricsURL = "http://" + metrics + "/metrics"
 	}
 	args := []string{"--root", s.Root, "--address", s.SnapAddress, "--api-address", s.APIAddress,
-		"--metrics-address", metrics, "--log-level", "debug"}
+		"--metrics-address", metrics, "--containerd-address", s.C.Address, "--log-level", "debug"}
 	cfg := ""
 	if opts.TidepooldConfig != nil {
 		cfg = opts.TidepooldConfig(s)
