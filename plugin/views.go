@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/containerd/errdefs"
+	"github.com/containerd/log"
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/tidepool-dev/tidepool/casstore"
@@ -119,7 +120,9 @@ func (h *ViewHost) Unmount(_ context.Context, dir string) error {
 	return nil
 }
 
-// Close unmounts every view.
+// Close unmounts every view as the process ends. A view still in use (a container
+// runs on it, or its rootfs is being torn down) is detached lazily: it cannot outlive
+// this process anyway, and a detached mount leaves the mount table now.
 func (h *ViewHost) Close(ctx context.Context) error {
 	h.mu.Lock()
 	dirs := make([]string, 0, len(h.views))
@@ -130,7 +133,10 @@ func (h *ViewHost) Close(ctx context.Context) error {
 	var errs []error
 	for _, d := range dirs {
 		if err := h.Unmount(ctx, d); err != nil {
-			errs = append(errs, err)
+			log.G(ctx).WithError(err).WithField("dir", d).Warn("fork view busy at shutdown; detaching it")
+			if err := fuse.UnmountStale(d); err != nil {
+				errs = append(errs, err)
+			}
 		}
 	}
 	return errors.Join(errs...)

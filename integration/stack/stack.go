@@ -116,7 +116,11 @@ func Start(t testing.TB, opts Options) *Stack {
 	}
 	t.Cleanup(func() {
 		if left, _ := harness.MountsUnder(dir); len(left) > 0 {
-			t.Errorf("mounts left under the tidepool root: %v", left)
+			tail := ""
+			if s.Daemon != nil {
+				tail = s.Daemon.LogTail(400)
+			}
+			t.Errorf("mounts left under the tidepool root: %v\ntidepoold log:\n%s", left, tail)
 			for i := len(left) - 1; i >= 0; i-- {
 				exec.Command("umount", "-l", left[i]).Run()
 			}
@@ -176,10 +180,12 @@ func Start(t testing.TB, opts Options) *Stack {
 		s.MetricsURL = "http://" + metrics + "/metrics"
 	}
 	args := []string{"--root", s.Root, "--address", s.SnapAddress, "--api-address", s.APIAddress,
-		"--metrics-address", metrics, "--containerd-address", s.C.Address, "--log-level", "debug"}
-	cfg := ""
+		"--metrics-address", metrics, "--log-level", "debug"}
+	// containerd's address goes in the config file, not argv: the harness finds an
+	// instance's leftover shims by that address on their command lines.
+	cfg := fmt.Sprintf("containerd_address = %q\n", s.C.Address)
 	if opts.TidepooldConfig != nil {
-		cfg = opts.TidepooldConfig(s)
+		cfg += opts.TidepooldConfig(s)
 	}
 	cfgPath := filepath.Join(dir, "tidepoold.toml")
 	if err := os.WriteFile(cfgPath, []byte(cfg), 0o644); err != nil {
