@@ -14,6 +14,7 @@ import (
 	"github.com/tidepool-dev/tidepool/binding"
 	"github.com/tidepool-dev/tidepool/casstore"
 	"github.com/tidepool-dev/tidepool/casstore/forks"
+	"github.com/tidepool-dev/tidepool/casstore/gc"
 	"github.com/tidepool-dev/tidepool/snapshotter"
 )
 
@@ -65,7 +66,19 @@ func NewCore(ctx context.Context, cfg *Config) (_ *Core, retErr error) {
 	c := &Core{Config: cfg, Store: store, Forks: db, Views: views, Snapshotter: sn, cancel: cancel}
 	c.every(bg, time.Duration(cfg.Maintenance.ForkSweepInterval), c.sweepForks)
 	c.every(bg, time.Hour, c.sweepTemp)
+	c.every(bg, time.Duration(cfg.Maintenance.GCInterval), c.collectGarbage)
 	return c, nil
+}
+
+// collectGarbage deletes objects no fork, pin or active snapshot (snapshots pin
+// their roots) reaches, keeping anything written within the grace period.
+func (c *Core) collectGarbage(ctx context.Context) {
+	res, err := gc.Collect(ctx, c.Store, c.Forks, gc.Options{Grace: time.Duration(c.Config.Maintenance.GCGrace)})
+	if err != nil {
+		log.G(ctx).WithError(err).Warn("garbage collection failed")
+		return
+	}
+	log.G(ctx).WithField("swept", res.Swept).WithField("bytes", res.BytesFreed).WithField("marked", res.Marked).Info("garbage collected")
 }
 
 // every runs fn each interval until the core closes; a zero interval disables it.

@@ -7,6 +7,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
 	"sort"
 	"strings"
 	"sync"
@@ -391,4 +392,48 @@ func (b *syncBuffer) String() string {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	return b.buf.String()
+}
+
+// TestPoolRunGoSourceTree: a claim with a fork of the Go source tree runs node (a
+// baked dependency) with lodash (from the image's node_modules) over the fork's Go
+// sources, and what it writes lands on the fork.
+func TestPoolRunGoSourceTree(t *testing.T) {
+	s := poolStack(t, 1, "")
+	root := s.Ingest(t, filepath.Join(runtime.GOROOT(), "src"))
+	waitPool(t, s, "node", 1)
+	script := `const _ = require('/app/node_modules/lodash'); const fs = require('fs');
+const files = fs.readdirSync('/app/net/http').filter(f => f.endsWith('.go'));
+const lines = _.sumBy(files, f => fs.readFileSync('/app/net/http/' + f, 'utf8').split('\n').length);
+fs.writeFileSync('/app/LINES', String(lines));
+console.log(files.length + ' ' + lines);`
+	out, errOut, code := tidepoolRun(t, s, "", "--pool", "node", "--fork", root, "--", "node", "-e", script)
+	if code != 0 {
+		t.Fatalf("exit %d: %s", code, errOut)
+	}
+	var files, lines int
+	if _, err := fmt.Sscan(out, &files, &lines); err != nil || files < 50 || lines < 10000 {
+		t.Fatalf("node over net/http printed %q", out)
+	}
+	// The same count, computed on the host's copy of the tree.
+	ents, _ := os.ReadDir(filepath.Join(runtime.GOROOT(), "src", "net", "http"))
+	hostFiles, hostLines := 0, 0
+	for _, e := range ents {
+		if strings.HasSuffix(e.Name(), ".go") {
+			b, _ := os.ReadFile(filepath.Join(runtime.GOROOT(), "src", "net", "http", e.Name()))
+			hostFiles++
+			hostLines += len(strings.Split(string(b), "\n"))
+		}
+	}
+	if files != hostFiles || lines != hostLines {
+		t.Fatalf("container counted %d files, %d lines; the host tree has %d, %d", files, lines, hostFiles, hostLines)
+	}
+	var forkID string
+	for _, line := range strings.Split(errOut, "\n") {
+		if rest, ok := strings.CutPrefix(line, "tidepool: fork "); ok {
+			forkID = strings.Fields(rest)[0]
+		}
+	}
+	if d := s.MustTidepool(t, "diff", root, forkID); d != "A LINES\n" {
+		t.Fatalf("fork changes %q", d)
+	}
 }
