@@ -2,6 +2,7 @@ package fuse
 
 import (
 	"bytes"
+	"fmt"
 	"io"
 	"io/fs"
 	stdlog "log"
@@ -53,7 +54,11 @@ type requestTrace struct {
 	off    bool
 }
 
-var rxLine = regexp.MustCompile(`^rx \d+: ([A-Z0-9_]+) `)
+// rxLine is a request in go-fuse's trace, except those for the file go-fuse opens
+// itself at mount (node ^0) to probe poll support: its RELEASE may come late.
+var rxLine = regexp.MustCompile(`^rx \d+: ([A-Z0-9_]+) n(\d+) `)
+
+const pollHackNode = "18446744073709551615"
 
 // traceRequests raises the global logger to debug level (discarding its output) for
 // the rest of the test, so that a view mounted with Debug reports its requests, and
@@ -85,7 +90,7 @@ func (r *requestTrace) Fire(e *log.Entry) error {
 		return nil
 	}
 	m := rxLine.FindStringSubmatch(e.Message)
-	if m == nil {
+	if m == nil || m[2] == pollHackNode {
 		return nil
 	}
 	r.mu.Lock()
@@ -106,8 +111,8 @@ func (r *requestTrace) take() map[string]int {
 }
 
 // TestWarmPassRequests reads a part of the Go tree through a view, then again warm,
-// and counts what the kernel asks the server. Served opens cost an OPEN and a
-// RELEASE per file on every pass while the pages stay cached; in NoOpen mode the
+// and counts what the kernel asks the server. Served opens cost an OPEN (and a
+// RELEASE) per file on every pass while the pages stay cached; in NoOpen mode the
 // first OPEN is the only one the connection ever sees, closes send nothing, and a
 // warm pass reaches the server with no request at all for its files.
 func TestWarmPassRequests(t *testing.T) {
@@ -169,8 +174,8 @@ func TestWarmPassRequests(t *testing.T) {
 					if n := warm["OPEN"] + warm["FLUSH"] + warm["RELEASE"]; n != 0 {
 						t.Errorf("pass %d: %d OPEN, %d FLUSH, %d RELEASE, want none", pass, warm["OPEN"], warm["FLUSH"], warm["RELEASE"])
 					}
-				} else if warm["OPEN"] < files || warm["RELEASE"] < files {
-					t.Errorf("pass %d: %d OPEN, %d RELEASE for %d files", pass, warm["OPEN"], warm["RELEASE"], files)
+				} else if warm["OPEN"] < files { // (RELEASE is asynchronous: the last may come later)
+					t.Errorf("pass %d: %d OPENs for %d files", pass, warm["OPEN"], files)
 				}
 				if warm["READ"] == 0 {
 					if got := v.Stats().Reads.Load() - reads; got != 0 {
@@ -215,31 +220,58 @@ func TestExecAndMmap(t *testing.T) {
 		root := ingestTree(t, s, writeFixture(t))
 		v := mount(t, s, root, Options{NoOpen: noOpen, DisablePassthrough: true})
 		requireOpenMode(t, v, noOpen)
+		// The script is executed by a shell, and the mapping read by a child: the
+		// process serving a FUSE mount must neither exec a file of it (the forking
+		// thread waits for the child's exec without letting a garbage collection
+		// stop the world) nor fault on a mapping of it, or a collection started
+		// meanwhile waits for the server it has stopped.
 		for range 2 { // the second run is served from the page cache
-			out, err := exec.Command(filepath.Join(v.Dir(), "bin/run.sh")).CombinedOutput()
+			out, err := exec.Command("/bin/sh", "-c", filepath.Join(v.Dir(), "bin/run.sh")).CombinedOutput()
 			if err != nil || string(out) != "run\n" {
 				t.Fatalf("exec bin/run.sh: %q, %v", out, err)
 			}
 		}
-		want, err := os.ReadFile(s.Path(lookupHash(t, s, root, "big.bin").Hash))
-		if err != nil {
-			t.Fatal(err)
-		}
-		f, err := os.Open(filepath.Join(v.Dir(), "big.bin"))
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer f.Close()
-		m, err := unix.Mmap(int(f.Fd()), 0, len(want), unix.PROT_READ, unix.MAP_SHARED)
-		if err != nil {
-			t.Fatalf("mmap: %v", err)
-		}
-		defer unix.Munmap(m)
-		if !bytes.Equal(m, want) {
-			t.Error("mapped big.bin differs from its object")
+		cmd := exec.Command(os.Args[0])
+		cmd.Env = append(os.Environ(),
+			mmapHelperEnv+"="+filepath.Join(v.Dir(), "big.bin"),
+			mmapWantEnv+"="+s.Path(lookupHash(t, s, root, "big.bin").Hash))
+		if out, err := cmd.CombinedOutput(); err != nil {
+			t.Errorf("mapping big.bin: %v\n%s", err, out)
 		}
 		if v.Stats().Reads.Load() == 0 {
 			t.Error("no READ reached the server")
 		}
 	})
+}
+
+// The test binary, run with mmapHelperEnv set, maps that file and compares it with
+// the file named by mmapWantEnv, instead of running tests.
+const (
+	mmapHelperEnv = "TIDEPOOL_FUSE_TEST_MMAP"
+	mmapWantEnv   = "TIDEPOOL_FUSE_TEST_MMAP_WANT"
+)
+
+func mmapCompare(mapped, wantPath string) int {
+	want, err := os.ReadFile(wantPath)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	f, err := os.Open(mapped)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	defer f.Close()
+	m, err := unix.Mmap(int(f.Fd()), 0, len(want), unix.PROT_READ, unix.MAP_SHARED)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "mmap:", err)
+		return 1
+	}
+	defer unix.Munmap(m)
+	if !bytes.Equal(m, want) {
+		fmt.Fprintln(os.Stderr, "mapped content differs")
+		return 1
+	}
+	return 0
 }
