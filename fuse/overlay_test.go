@@ -183,6 +183,23 @@ func TestLateBinding(t *testing.T) {
 		}
 	})
 
+	t.Run("root opened but not listed before bind", func(t *testing.T) {
+		// containerd 2.4 opens every lower directory of a rootfs as an os.Root to read
+		// /etc/group for a container's spec, without mounting or listing it.
+		v := mount(t, s, casstore.Hash{}, Options{Prefix: "app"})
+		r, err := os.OpenRoot(v.Dir())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := r.Open("etc/group"); !errors.Is(err, os.ErrNotExist) {
+			t.Errorf("etc/group in an unbound view: %v", err)
+		}
+		r.Close()
+		if v.Tainted() {
+			t.Fatal("opening the view root without listing it tainted the view")
+		}
+	})
+
 	t.Run("root listed before bind", func(t *testing.T) {
 		v := mount(t, s, casstore.Hash{}, Options{Prefix: "srv/api"})
 		merged, _ := mountOverlay(t, v.Dir(), image)

@@ -50,6 +50,7 @@ type SnapshotterConfig struct {
 // ViewsConfig tunes the FUSE fork views.
 type ViewsConfig struct {
 	Passthrough  bool     `toml:"passthrough" comment:"Use FUSE passthrough (kernel >= 6.9) so reads of local blobs bypass the daemon."`
+	NoOpen       bool     `toml:"no_open" comment:"Kernel open caching: no FUSE round trip per open (warm small-file reads near native), but no passthrough and\na page cache per view (N containers on one root cache each file N times). Off by default."`
 	EntryTimeout Duration `toml:"entry_timeout" comment:"How long the kernel caches names; objects never change, so long is safe."`
 	AttrTimeout  Duration `toml:"attr_timeout" comment:"How long the kernel caches attributes."`
 }
@@ -63,10 +64,10 @@ type MaintenanceConfig struct {
 
 // PoolsConfig configures warm pools of pre-created, frozen members.
 type PoolsConfig struct {
-	Namespace         string         `toml:"namespace" comment:"containerd namespace of the members (visible with ctr -n)."`
-	Holder            string         `toml:"holder" comment:"tidepool-holder binary (pid 1 of members); empty: beside tidepoold."`
-	ShimConfig        string         `toml:"shim_config" comment:"tidepool shim config given to members' tasks; empty: the shim's default."`
-	Templates         []PoolTemplate `toml:"template" comment:"One [[pools.template]] per pool, e.g.\n  [[pools.template]]\n  name = 'node'\n  image = 'registry.example/agent-node:latest'\n  runtime = 'runc'\n  workdir = '/app'\n  owner = '1000:1000'\n  cpus = 1.0\n  memory_mb = 1024\n  min = 1\n  target = 4\n  max = 8\n  refill_rate = 5.0\n  max_age = '1h0m0s'"`
+	Namespace  string         `toml:"namespace" comment:"containerd namespace of the members (visible with ctr -n)."`
+	Holder     string         `toml:"holder" comment:"tidepool-holder binary (pid 1 of members); empty: beside tidepoold."`
+	ShimConfig string         `toml:"shim_config" comment:"tidepool shim config given to members' tasks; empty: the shim's default."`
+	Templates  []PoolTemplate `toml:"template" comment:"One [[pools.template]] per pool, e.g.\n  [[pools.template]]\n  name = 'node'\n  image = 'registry.example/agent-node:latest'\n  runtime = 'runc'\n  workdir = '/app'\n  owner = '1000:1000'\n  cpus = 1.0\n  memory_mb = 1024\n  min = 1\n  target = 4\n  max = 8\n  refill_rate = 5.0\n  max_age = '1h0m0s'"`
 }
 
 // PoolTemplate is one pool (see pool.Template).

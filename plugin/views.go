@@ -59,6 +59,7 @@ func (h *ViewHost) Mount(ctx context.Context, dir string, spec snapshotter.ViewS
 		UID:                spec.UID,
 		GID:                spec.GID,
 		DisablePassthrough: !h.cfg.Passthrough,
+		NoOpen:             h.cfg.NoOpen,
 		EntryTimeout:       time.Duration(h.cfg.EntryTimeout),
 		AttrTimeout:        time.Duration(h.cfg.AttrTimeout),
 		Stats:              h.stats,

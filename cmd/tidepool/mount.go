@@ -32,6 +32,7 @@ type mountFlags struct {
 	prefix        string
 	owner         string
 	noPassthrough bool
+	noOpen        bool
 	daemon        bool
 	logFile       string
 }
@@ -62,6 +63,7 @@ mount: later commits to it are not seen by this view.`,
 	fl.StringVar(&f.prefix, "prefix", "", "place the tree under this relative path inside DIR (e.g. app)")
 	fl.StringVar(&f.owner, "owner", "0:0", "numeric UID:GID that owns the tree's files and directories")
 	fl.BoolVar(&f.noPassthrough, "no-passthrough", false, "serve reads through this process even if the kernel supports FUSE passthrough")
+	fl.BoolVar(&f.noOpen, "no-open", false, "kernel open caching: no round trip per open, no passthrough, a page cache of the view's own")
 	fl.BoolVar(&f.daemon, "daemon", false, "serve from a detached background process; print its pid once mounted")
 	fl.StringVar(&f.logFile, "log-file", "", "with --daemon, append the background process's logs to this file (default: discard)")
 	return cmd
@@ -157,6 +159,7 @@ func runMount(ctx context.Context, a *app, f mountFlags, ref, dir string, stdout
 		UID:                uid,
 		GID:                gid,
 		DisablePassthrough: f.noPassthrough,
+		NoOpen:             f.noOpen,
 	})
 	if err != nil {
 		return err
