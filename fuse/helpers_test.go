@@ -21,6 +21,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/tidepool-dev/tidepool/casstore"
+	"github.com/tidepool-dev/tidepool/casstore/ingest"
 )
 
 // goSrc is the real source tree the tests and benchmarks mount.
@@ -51,75 +52,15 @@ func newStore(tb testing.TB) *casstore.Store {
 	return s
 }
 
-// ingestTree stores dir as a tree, the way `tidepool ingest` will: regular files as
-// blobs (exec if any x bit), directories as trees, symlinks as blobs of their target,
-// .git and special files skipped. It is deliberately minimal and private to tests.
+// ingestTree stores dir as a tree with the project's ingest (default rules: symlinks
+// kept, .git and special files skipped).
 func ingestTree(tb testing.TB, s *casstore.Store, dir string) casstore.Hash {
 	tb.Helper()
-	b, err := s.Begin()
+	root, _, err := ingest.Dir(context.Background(), s, dir, ingest.Options{})
 	if err != nil {
-		tb.Fatal(err)
-	}
-	defer b.Abort()
-	root, err := ingestDir(b, dir)
-	if err != nil {
-		tb.Fatal(err)
-	}
-	if err := b.Commit(); err != nil {
 		tb.Fatal(err)
 	}
 	return root
-}
-
-func ingestDir(b *casstore.Batch, dir string) (casstore.Hash, error) {
-	ents, err := os.ReadDir(dir)
-	if err != nil {
-		return casstore.Hash{}, err
-	}
-	var tree []casstore.Entry
-	for _, e := range ents {
-		if e.Name() == ".git" {
-			continue
-		}
-		p := filepath.Join(dir, e.Name())
-		info, err := os.Lstat(p)
-		if err != nil {
-			return casstore.Hash{}, err
-		}
-		var ent casstore.Entry
-		switch m := info.Mode(); {
-		case m.IsDir():
-			h, err := ingestDir(b, p)
-			if err != nil {
-				return casstore.Hash{}, err
-			}
-			ent = casstore.Entry{Mode: casstore.ModeDir, Hash: h}
-		case m&fs.ModeSymlink != 0:
-			target, err := os.Readlink(p)
-			if err != nil {
-				return casstore.Hash{}, err
-			}
-			h, err := b.PutBytes([]byte(target))
-			if err != nil {
-				return casstore.Hash{}, err
-			}
-			ent = casstore.Entry{Mode: casstore.ModeSymlink, Hash: h}
-		case m.IsRegular():
-			h, _, err := b.PutFile(p)
-			if err != nil {
-				return casstore.Hash{}, err
-			}
-			ent = casstore.Entry{Mode: casstore.ModeFile, Hash: h}
-			if m&0o111 != 0 {
-				ent.Mode = casstore.ModeExec
-			}
-		default:
-			continue
-		}
-		ent.Name = e.Name()
-		tree = append(tree, ent)
-	}
-	return b.WriteTree(tree)
 }
 
 // writeFixture creates a small tree with every kind of entry a view serves.

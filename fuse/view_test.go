@@ -2,6 +2,7 @@ package fuse
 
 import (
 	"bytes"
+	"context"
 	"errors"
 	"io/fs"
 	"os"
@@ -15,6 +16,7 @@ import (
 	"github.com/containerd/errdefs"
 
 	"github.com/tidepool-dev/tidepool/casstore"
+	"github.com/tidepool-dev/tidepool/casstore/ingest"
 )
 
 // The Go source tree is ingested once per test binary into a shared store.
@@ -48,15 +50,7 @@ func goStore(tb testing.TB) (*casstore.Store, casstore.Hash) {
 		if goTree.err != nil {
 			return
 		}
-		b, err := goTree.s.Begin()
-		if err != nil {
-			goTree.err = err
-			return
-		}
-		defer b.Abort()
-		if goTree.root, goTree.err = ingestDir(b, goSrc); goTree.err == nil {
-			goTree.err = b.Commit()
-		}
+		goTree.root, _, goTree.err = ingest.Dir(context.Background(), goTree.s, goSrc, ingest.Options{})
 	})
 	if goTree.err != nil {
 		tb.Fatalf("ingest %s: %v", goSrc, goTree.err)

@@ -3,7 +3,6 @@ package forks_test
 import (
 	"context"
 	"fmt"
-	"io/fs"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -14,6 +13,7 @@ import (
 
 	"github.com/tidepool-dev/tidepool/casstore"
 	"github.com/tidepool-dev/tidepool/casstore/forks"
+	"github.com/tidepool-dev/tidepool/casstore/ingest"
 )
 
 // goSrc is the benchmark corpus: the Go source tree (11.5k files, 157 MB) as a git
@@ -84,7 +84,7 @@ func build(b *testing.B, src, cache string) {
 	if err != nil {
 		b.Fatal(err)
 	}
-	root, err := ingestTree(s, src)
+	root, _, err := ingest.Dir(context.Background(), s, src, ingest.Options{})
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -99,73 +99,6 @@ func build(b *testing.B, src, cache string) {
 			b.Fatal(err)
 		}
 	}
-}
-
-// ingestTree stores a directory: regular files by exec bit, symlinks by target,
-// .git skipped. The benchmark needs a real root of the tree in the store, not
-// LunarFS-exact ingest rules, so it does not depend on the ingest package.
-func ingestTree(s *casstore.Store, dir string) (casstore.Hash, error) {
-	bt, err := s.Begin()
-	if err != nil {
-		return casstore.Hash{}, err
-	}
-	defer bt.Abort()
-	var walk func(dir string) (casstore.Hash, error)
-	walk = func(dir string) (casstore.Hash, error) {
-		ents, err := os.ReadDir(dir)
-		if err != nil {
-			return casstore.Hash{}, err
-		}
-		var out []casstore.Entry
-		for _, e := range ents {
-			if e.Name() == ".git" {
-				continue
-			}
-			p := filepath.Join(dir, e.Name())
-			var ent casstore.Entry
-			switch t := e.Type(); {
-			case t.IsDir():
-				h, err := walk(p)
-				if err != nil {
-					return h, err
-				}
-				ent = casstore.Entry{Mode: casstore.ModeDir, Hash: h}
-			case t&fs.ModeSymlink != 0:
-				target, err := os.Readlink(p)
-				if err != nil {
-					return casstore.Hash{}, err
-				}
-				h, err := bt.PutBytes([]byte(target))
-				if err != nil {
-					return h, err
-				}
-				ent = casstore.Entry{Mode: casstore.ModeSymlink, Hash: h}
-			case t.IsRegular():
-				info, err := e.Info()
-				if err != nil {
-					return casstore.Hash{}, err
-				}
-				h, _, err := bt.PutFile(p)
-				if err != nil {
-					return h, err
-				}
-				ent = casstore.Entry{Mode: casstore.ModeFile, Hash: h}
-				if info.Mode()&0o111 != 0 {
-					ent.Mode = casstore.ModeExec
-				}
-			default:
-				continue
-			}
-			ent.Name = e.Name()
-			out = append(out, ent)
-		}
-		return bt.WriteTree(out)
-	}
-	root, err := walk(dir)
-	if err != nil {
-		return root, err
-	}
-	return root, bt.Commit()
 }
 
 // fork is what `tidepool fork` does: check that the base exists, write one record.
