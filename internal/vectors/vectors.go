@@ -1,13 +1,15 @@
-// Package vectors loads the LunarFS golden vectors (../shared/vectors/lunarfs.json) that
-// the codec and ingest tests must reproduce byte for byte.
+// Package vectors loads the LunarFS golden vectors that the codec and ingest tests
+// must reproduce byte for byte. The repository keeps its own copy
+// (testdata/lunarfs.json, embedded) so that a plain clone tests with nothing beside
+// it; $TIDEPOOL_VECTORS points at the shared original to cross-check the copy.
 package vectors
 
 import (
+	_ "embed"
 	"encoding/json"
 	"fmt"
 	"os"
-	"path/filepath"
-	"runtime"
+	"reflect"
 )
 
 // File is the whole vector document.
@@ -55,25 +57,49 @@ type Skipped struct {
 	Target string `json:"target"`
 }
 
-// Path locates lunarfs.json: $TIDEPOOL_VECTORS, else ../shared/vectors beside the
-// repository checkout.
-func Path() string {
-	if p := os.Getenv("TIDEPOOL_VECTORS"); p != "" {
-		return p
-	}
-	_, self, _, _ := runtime.Caller(0)
-	return filepath.Join(filepath.Dir(self), "..", "..", "..", "shared", "vectors", "lunarfs.json")
-}
+// EnvVar names an outside copy of lunarfs.json (the shared original) that Load
+// cross-checks the repository's copy against.
+const EnvVar = "TIDEPOOL_VECTORS"
 
-// Load reads and parses the vectors.
+// lunarfsJSON is the repository's copy of the vectors: embedded, so the tests of
+// a plain clone need nothing beside it and find it from any working directory.
+//
+//go:embed testdata/lunarfs.json
+var lunarfsJSON []byte
+
+// Load parses the repository's copy of the vectors. When $TIDEPOOL_VECTORS names
+// another copy, Load also reads that one and fails unless both hold the same
+// JSON document (formatting aside): a copy that drifted from the original must
+// be noticed, not silently tested against.
 func Load() (*File, error) {
-	b, err := os.ReadFile(Path())
-	if err != nil {
-		return nil, fmt.Errorf("load LunarFS vectors: %w", err)
+	if p := os.Getenv(EnvVar); p != "" {
+		if err := crossCheck(p); err != nil {
+			return nil, err
+		}
 	}
 	var f File
-	if err := json.Unmarshal(b, &f); err != nil {
-		return nil, fmt.Errorf("parse %s: %w", Path(), err)
+	if err := json.Unmarshal(lunarfsJSON, &f); err != nil {
+		return nil, fmt.Errorf("parse internal/vectors/testdata/lunarfs.json: %w", err)
 	}
 	return &f, nil
+}
+
+// crossCheck compares the outside copy at path with the embedded one.
+func crossCheck(path string) error {
+	outside, err := os.ReadFile(path)
+	if err != nil {
+		return fmt.Errorf("load LunarFS vectors from $%s: %w", EnvVar, err)
+	}
+	var want, got any
+	if err := json.Unmarshal(outside, &want); err != nil {
+		return fmt.Errorf("parse %s ($%s): %w", path, EnvVar, err)
+	}
+	if err := json.Unmarshal(lunarfsJSON, &got); err != nil {
+		return fmt.Errorf("parse internal/vectors/testdata/lunarfs.json: %w", err)
+	}
+	if !reflect.DeepEqual(want, got) {
+		return fmt.Errorf("LunarFS vectors: internal/vectors/testdata/lunarfs.json differs from %s ($%s): "+
+			"copy the original over the repository's copy (cp %s internal/vectors/testdata/lunarfs.json) and review the diff", path, EnvVar, path)
+	}
+	return nil
 }
