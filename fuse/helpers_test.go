@@ -18,6 +18,7 @@ import (
 
 	"github.com/containerd/errdefs"
 	gofuse "github.com/hanwen/go-fuse/v2/fuse"
+	"github.com/moby/sys/mountinfo"
 	"golang.org/x/sys/unix"
 
 	"github.com/tidepool-dev/tidepool/casstore"
@@ -197,16 +198,11 @@ func requirePassthrough(tb testing.TB, v *View, s *casstore.Store) {
 // mounted reports whether dir is a mountpoint in /proc/self/mountinfo.
 func mounted(tb testing.TB, dir string) bool {
 	tb.Helper()
-	all, err := readMountinfo()
+	all, err := mounts(mountinfo.SingleEntryFilter(dir))
 	if err != nil {
 		tb.Fatal(err)
 	}
-	for _, m := range all {
-		if m.point == dir {
-			return true
-		}
-	}
-	return false
+	return len(all) > 0
 }
 
 // objects lists every object file in a store.

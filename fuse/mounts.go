@@ -1,81 +1,24 @@
 package fuse
 
 import (
-	"bufio"
 	"errors"
 	"fmt"
-	"os"
 	"path/filepath"
 	"sort"
-	"strconv"
-	"strings"
 
 	"github.com/containerd/errdefs"
+	"github.com/moby/sys/mountinfo"
 	"golang.org/x/sys/unix"
 )
 
-// mountInfo is one line of /proc/self/mountinfo, reduced to what cleanup needs.
-type mountInfo struct {
-	point  string
-	fstype string
-}
-
-const mountinfoPath = "/proc/self/mountinfo"
-
-func readMountinfo() ([]mountInfo, error) {
-	f, err := os.Open(mountinfoPath)
+// mounts reads the mount table (github.com/moby/sys/mountinfo parses it,
+// unescaping mountpoints) keeping the entries filter accepts, in table order.
+func mounts(filter mountinfo.FilterFunc) ([]*mountinfo.Info, error) {
+	all, err := mountinfo.GetMounts(filter)
 	if err != nil {
 		return nil, fmt.Errorf("read mount table: %w", err)
 	}
-	defer f.Close()
-	var out []mountInfo
-	sc := bufio.NewScanner(f)
-	sc.Buffer(make([]byte, 64<<10), 1<<20)
-	for sc.Scan() {
-		if m, ok := parseMountinfoLine(sc.Text()); ok {
-			out = append(out, m)
-		}
-	}
-	if err := sc.Err(); err != nil {
-		return nil, fmt.Errorf("read mount table: %w", err)
-	}
-	return out, nil
-}
-
-// parseMountinfoLine reads "id parent maj:min root mountpoint opts [optional...] -
-// fstype source superopts" (proc(5)); the mountpoint is octal-escaped.
-func parseMountinfoLine(line string) (mountInfo, bool) {
-	fields := strings.Fields(line)
-	sep := -1
-	for i := 6; i < len(fields); i++ {
-		if fields[i] == "-" {
-			sep = i
-			break
-		}
-	}
-	if len(fields) < 5 || sep < 0 || sep+1 >= len(fields) {
-		return mountInfo{}, false
-	}
-	return mountInfo{point: unescapeOctal(fields[4]), fstype: fields[sep+1]}, true
-}
-
-// unescapeOctal undoes the kernel's \NNN escaping of space, tab, newline and '\'.
-func unescapeOctal(s string) string {
-	if !strings.Contains(s, `\`) {
-		return s
-	}
-	var b strings.Builder
-	for i := 0; i < len(s); i++ {
-		if s[i] == '\\' && i+3 < len(s) {
-			if n, err := strconv.ParseUint(s[i+1:i+4], 8, 8); err == nil {
-				b.WriteByte(byte(n))
-				i += 3
-				continue
-			}
-		}
-		b.WriteByte(s[i])
-	}
-	return b.String()
+	return all, nil
 }
 
 // resolveDir makes dir absolute and resolves symlinks in its parent only: the
@@ -103,43 +46,34 @@ func Mounts(under string) ([]string, error) {
 	if err != nil {
 		return nil, fmt.Errorf("list views under %s: %w", under, err)
 	}
-	all, err := readMountinfo()
+	var prefix mountinfo.FilterFunc // nil: everything is below "/"
+	if base != "/" {
+		prefix = mountinfo.PrefixFilter(base)
+	}
+	all, err := mounts(prefix)
 	if err != nil {
 		return nil, err
 	}
 	seen := map[string]bool{}
 	var out []string
 	for _, m := range all {
-		if m.fstype != FsType || seen[m.point] || !within(base, m.point) {
+		if m.FSType != FsType || seen[m.Mountpoint] {
 			continue
 		}
-		seen[m.point] = true
-		out = append(out, m.point)
+		seen[m.Mountpoint] = true
+		out = append(out, m.Mountpoint)
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i] > out[j] })
 	return out, nil
 }
 
-func within(base, p string) bool {
-	if base == "/" || p == base {
-		return true
-	}
-	return strings.HasPrefix(p, base+"/")
-}
-
 // topMount returns the fstype of the topmost mount at point, or "" if none.
 func topMount(point string) (string, error) {
-	all, err := readMountinfo()
-	if err != nil {
+	all, err := mounts(func(m *mountinfo.Info) (skip, stop bool) { return m.Mountpoint != point, false })
+	if err != nil || len(all) == 0 {
 		return "", err
 	}
-	top := ""
-	for _, m := range all {
-		if m.point == point {
-			top = m.fstype // later lines are mounted on top of earlier ones
-		}
-	}
-	return top, nil
+	return all[len(all)-1].FSType, nil // later lines are mounted on top of earlier ones
 }
 
 // UnmountStale detaches the view mounted at dir lazily (MNT_DETACH), so that a

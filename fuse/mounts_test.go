@@ -4,6 +4,7 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -11,29 +12,6 @@ import (
 	"github.com/containerd/errdefs"
 	"golang.org/x/sys/unix"
 )
-
-func TestParseMountinfoLine(t *testing.T) {
-	cases := []struct {
-		line   string
-		point  string
-		fstype string
-		ok     bool
-	}{
-		{"36 35 98:0 /mnt1 /mnt2 rw,noatime master:1 - ext3 /dev/root rw,errors=continue", "/mnt2", "ext3", true},
-		{`612 30 0:63 / /run/tidepool/views/with\040space ro,nosuid,nodev,relatime - fuse.tidepool tidepool ro,user_id=0,group_id=0,allow_other`,
-			"/run/tidepool/views/with space", "fuse.tidepool", true},
-		{`1 2 0:1 / /a\134b rw - tmpfs tmpfs rw`, `/a\b`, "tmpfs", true},
-		{"22 1 0:21 / /proc rw,nosuid shared:5 shared:6 - proc proc rw", "/proc", "proc", true},
-		{"garbage", "", "", false},
-		{"1 2 0:1 / /x rw no-separator here", "", "", false},
-	}
-	for _, c := range cases {
-		m, ok := parseMountinfoLine(c.line)
-		if ok != c.ok || m.point != c.point || m.fstype != c.fstype {
-			t.Errorf("parse %q = %+v %v, want %q %q %v", c.line, m, ok, c.point, c.fstype, c.ok)
-		}
-	}
-}
 
 func TestUnmountAndCleanup(t *testing.T) {
 	requireRoot(t)
@@ -66,6 +44,11 @@ func TestUnmountAndCleanup(t *testing.T) {
 		}
 		if strings.Join(got, "|") != b+"|"+a {
 			t.Errorf("Mounts = %q, want %q then %q", got, b, a)
+		}
+		// The mount table escapes the space in "a b"; "/" holds every view.
+		everywhere, err := Mounts("/")
+		if err != nil || !slices.Contains(everywhere, a) || !slices.Contains(everywhere, other) {
+			t.Errorf("Mounts(/) = %q, %v: lacks %q or %q", everywhere, err, a, other)
 		}
 		for _, v := range []*View{va, vb, vo} {
 			if err := v.Unmount(); err != nil {
