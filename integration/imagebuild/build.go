@@ -1,259 +1,198 @@
 package imagebuild
 
 import (
-	"archive/tar"
-	"compress/gzip"
+	"bytes"
+	"cmp"
+	"context"
 	"crypto/sha256"
+	"encoding/hex"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"os"
 	"path/filepath"
 	"runtime"
-	"sort"
+	"syscall"
 
+	"github.com/containerd/containerd/v2/core/content"
+	"github.com/containerd/containerd/v2/core/images/archive"
+	"github.com/containerd/containerd/v2/pkg/archive/compression"
+	"github.com/containerd/containerd/v2/plugins/content/local"
+	"github.com/containerd/errdefs"
 	"github.com/opencontainers/go-digest"
 	specs "github.com/opencontainers/image-spec/specs-go"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
+
+	"github.com/tidepool-dev/tidepool/integration/testenv"
 )
 
-// Result describes a built image.
-type Result struct {
-	// Manifest is the descriptor index.json points at; its digest names the image.
-	Manifest ocispec.Descriptor `json:"manifest"`
-	// Config is the image config descriptor (its digest is the image ID).
-	Config ocispec.Descriptor `json:"config"`
-	// Layers are the layer blobs, bottom first.
-	Layers []ocispec.Descriptor `json:"layers"`
-	// DiffIDs are the digests of the uncompressed layer tars (rootfs.diff_ids).
-	DiffIDs []digest.Digest `json:"diff_ids"`
-}
-
-// blob is one file under blobs/sha256 of the archive.
-type blob struct {
-	desc ocispec.Descriptor
-	data []byte // small JSON blobs
-	path string // layer blobs, staged in a temporary file
-}
-
-// BuildFile writes the OCI layout archive of spec to dst, atomically (a
-// temporary file in the same directory renamed into place).
-func BuildFile(spec Spec, dst string) (Result, error) {
-	f, err := os.CreateTemp(filepath.Dir(dst), "."+filepath.Base(dst)+".tmp-*")
-	if err != nil {
-		return Result{}, fmt.Errorf("build image archive: %w", err)
-	}
-	tmp := f.Name()
-	defer os.Remove(tmp) // no-op once renamed
-	res, err := Build(spec, f)
-	if cerr := f.Close(); err == nil && cerr != nil {
-		err = fmt.Errorf("build image archive: %w", cerr)
-	}
-	if err != nil {
-		return Result{}, err
-	}
-	if err := os.Chmod(tmp, 0o644); err != nil {
-		return Result{}, fmt.Errorf("build image archive: %w", err)
-	}
-	if err := os.Rename(tmp, dst); err != nil {
-		return Result{}, fmt.Errorf("build image archive: %w", err)
-	}
-	return res, nil
-}
-
-// Build writes the OCI image layout archive of spec (a tar holding oci-layout,
-// index.json and blobs/sha256/*) to w. Layers are staged in temporary files, so
-// memory use does not grow with the image.
-func Build(spec Spec, w io.Writer) (Result, error) {
+// Build writes the OCI image layout archive of spec (oci-layout, index.json and
+// blobs/sha256/*) to w and returns the manifest descriptor (its digest names the
+// image). Blobs are staged in a content store on disk, so memory use does not
+// grow with the image.
+func Build(spec Spec, w io.Writer) (ocispec.Descriptor, error) {
+	ctx := context.Background()
 	tmp, err := os.MkdirTemp("", "imagebuild-")
 	if err != nil {
-		return Result{}, fmt.Errorf("build image: %w", err)
+		return ocispec.Descriptor{}, fmt.Errorf("build image: %w", err)
 	}
 	defer os.RemoveAll(tmp)
-
-	var res Result
-	var blobs []blob
-	dirs := map[string]*node{}
+	cs, err := local.NewStore(tmp)
+	if err != nil {
+		return ocispec.Descriptor{}, fmt.Errorf("build image: %w", err)
+	}
+	manifest := ocispec.Manifest{Versioned: specs.Versioned{SchemaVersion: 2}, MediaType: ocispec.MediaTypeImageManifest, Layers: []ocispec.Descriptor{}}
+	image := ocispec.Image{Platform: ocispec.Platform{Architecture: cmp.Or(spec.Arch, runtime.GOARCH), OS: "linux"},
+		Config: spec.Config, RootFS: ocispec.RootFS{Type: "layers", DiffIDs: []digest.Digest{}}}
+	if len(image.Config.Env) == 0 {
+		image.Config.Env = []string{DefaultPath}
+	}
+	image.Config.WorkingDir = cmp.Or(image.Config.WorkingDir, "/")
+	dirs := map[string]Entry{}
 	for i, l := range spec.Layers {
-		b, diffID, err := stageLayer(tmp, i, l, dirs, spec.Gzip)
+		desc, diffID, err := storeLayer(ctx, cs, fmt.Sprintf("layer-%d", i), l, dirs, spec.Gzip)
 		if err != nil {
-			return Result{}, fmt.Errorf("build image: layer %d: %w", i, err)
+			return ocispec.Descriptor{}, fmt.Errorf("build image: layer %d: %w", i, err)
 		}
-		res.Layers = append(res.Layers, b.desc)
-		res.DiffIDs = append(res.DiffIDs, diffID)
-		blobs = append(blobs, b)
+		manifest.Layers, image.RootFS.DiffIDs = append(manifest.Layers, desc), append(image.RootFS.DiffIDs, diffID)
 	}
-
-	arch := spec.Arch
-	if arch == "" {
-		arch = runtime.GOARCH
+	if manifest.Config, err = storeJSON(ctx, cs, ocispec.MediaTypeImageConfig, image); err != nil {
+		return ocispec.Descriptor{}, err
 	}
-	platform := ocispec.Platform{Architecture: arch, OS: "linux"}
-	diffIDs := res.DiffIDs
-	if diffIDs == nil {
-		diffIDs = []digest.Digest{}
-	}
-	cfg, err := jsonBlob(ocispec.MediaTypeImageConfig, ocispec.Image{
-		Platform: platform,
-		Config:   spec.Config.imageConfig(),
-		RootFS:   ocispec.RootFS{Type: "layers", DiffIDs: diffIDs},
-	})
+	desc, err := storeJSON(ctx, cs, ocispec.MediaTypeImageManifest, manifest)
 	if err != nil {
-		return Result{}, err
+		return ocispec.Descriptor{}, err
 	}
-	res.Config = cfg.desc
-	layers := res.Layers
-	if layers == nil {
-		layers = []ocispec.Descriptor{}
+	desc.Platform = &image.Platform
+	if err := archive.Export(ctx, cs, w, archive.WithManifest(desc), archive.WithSkipDockerManifest()); err != nil {
+		return ocispec.Descriptor{}, fmt.Errorf("build image: export: %w", err)
 	}
-	mf, err := jsonBlob(ocispec.MediaTypeImageManifest, ocispec.Manifest{
-		Versioned: specs.Versioned{SchemaVersion: 2},
-		MediaType: ocispec.MediaTypeImageManifest,
-		Config:    cfg.desc,
-		Layers:    layers,
-	})
-	if err != nil {
-		return Result{}, err
-	}
-	mf.desc.Platform = &platform
-	res.Manifest = mf.desc
-	blobs = append(blobs, cfg, mf)
-
-	index, err := json.Marshal(ocispec.Index{
-		Versioned: specs.Versioned{SchemaVersion: 2},
-		MediaType: ocispec.MediaTypeImageIndex,
-		Manifests: []ocispec.Descriptor{mf.desc},
-	})
-	if err != nil {
-		return Result{}, fmt.Errorf("build image: encode index: %w", err)
-	}
-	layout, err := json.Marshal(ocispec.ImageLayout{Version: ocispec.ImageLayoutVersion})
-	if err != nil {
-		return Result{}, fmt.Errorf("build image: encode oci-layout: %w", err)
-	}
-	if err := writeArchive(w, layout, index, blobs); err != nil {
-		return Result{}, fmt.Errorf("build image: %w", err)
-	}
-	return res, nil
+	return desc, nil
 }
 
-// stageLayer writes layer i to a temporary file, hashing the uncompressed tar
-// (the diff ID) and the stored blob (the digest) in one pass.
-func stageLayer(dir string, i int, l Layer, dirs map[string]*node, gz bool) (blob, digest.Digest, error) {
-	f, err := os.Create(filepath.Join(dir, fmt.Sprintf("layer-%d", i)))
+// storeLayer writes a layer's tar (gzipped if gz) into the store, hashing the
+// tar (the diff ID) on the way; the store's writer digests the blob.
+func storeLayer(ctx context.Context, cs content.Store, ref string, l Layer, dirs map[string]Entry, gz bool) (ocispec.Descriptor, digest.Digest, error) {
+	desc := ocispec.Descriptor{MediaType: ocispec.MediaTypeImageLayer}
+	cw, err := content.OpenWriter(ctx, cs, content.WithRef(ref))
 	if err != nil {
-		return blob{}, "", err
+		return desc, "", err
 	}
-	defer f.Close()
-	blobHash, diffHash := sha256.New(), sha256.New()
-	counter := &countWriter{}
-	stored := io.MultiWriter(f, blobHash, counter)
-	mediaType := ocispec.MediaTypeImageLayer
-	var zw *gzip.Writer
-	tarOut := io.MultiWriter(stored, diffHash)
+	defer cw.Close()
+	c := compression.Uncompressed
 	if gz {
-		mediaType = ocispec.MediaTypeImageLayerGzip
-		// No name and a zero ModTime in the gzip header keep it reproducible.
-		zw = gzip.NewWriter(stored)
-		tarOut = io.MultiWriter(zw, diffHash)
+		c, desc.MediaType = compression.Gzip, ocispec.MediaTypeImageLayerGzip
 	}
-	if err := writeLayer(tarOut, l, dirs); err != nil {
-		return blob{}, "", err
+	zw, err := compression.CompressStream(cw, c)
+	if err != nil {
+		return desc, "", err
 	}
-	if zw != nil {
-		if err := zw.Close(); err != nil {
-			return blob{}, "", fmt.Errorf("compress: %w", err)
-		}
+	diffID := digest.SHA256.Digester()
+	if err := writeLayer(ctx, io.MultiWriter(zw, diffID.Hash()), l, dirs); err != nil {
+		return desc, "", err
 	}
-	if err := f.Close(); err != nil {
-		return blob{}, "", err
+	if err := zw.Close(); err != nil {
+		return desc, "", err
 	}
-	b := blob{
-		desc: ocispec.Descriptor{
-			MediaType: mediaType,
-			Digest:    digest.NewDigest(digest.SHA256, blobHash),
-			Size:      counter.n,
-		},
-		path: f.Name(),
+	st, err := cw.Status()
+	if err != nil {
+		return desc, "", err
 	}
-	return b, digest.NewDigest(digest.SHA256, diffHash), nil
+	desc.Digest, desc.Size = cw.Digest(), st.Offset
+	if err := cw.Commit(ctx, desc.Size, desc.Digest); err != nil && !errdefs.IsAlreadyExists(err) {
+		return desc, "", err // (two identical layers share one blob)
+	}
+	return desc, diffID.Digest(), nil
 }
 
-type countWriter struct{ n int64 }
-
-func (c *countWriter) Write(p []byte) (int, error) {
-	c.n += int64(len(p))
-	return len(p), nil
-}
-
-func jsonBlob(mediaType string, v any) (blob, error) {
+func storeJSON(ctx context.Context, cs content.Store, mediaType string, v any) (ocispec.Descriptor, error) {
 	data, err := json.Marshal(v)
 	if err != nil {
-		return blob{}, fmt.Errorf("build image: encode %s: %w", mediaType, err)
+		return ocispec.Descriptor{}, fmt.Errorf("build image: encode %s: %w", mediaType, err)
 	}
-	return blob{
-		desc: ocispec.Descriptor{MediaType: mediaType, Digest: digest.FromBytes(data), Size: int64(len(data))},
-		data: data,
-	}, nil
+	desc := ocispec.Descriptor{MediaType: mediaType, Digest: digest.FromBytes(data), Size: int64(len(data))}
+	if err := content.WriteBlob(ctx, cs, mediaType, bytes.NewReader(data), desc); err != nil {
+		return desc, fmt.Errorf("build image: store %s: %w", mediaType, err)
+	}
+	return desc, nil
 }
 
-// writeArchive writes the layout tar: oci-layout, index.json, then each
-// distinct blob once, in digest order.
-func writeArchive(w io.Writer, layout, index []byte, blobs []blob) error {
-	sort.SliceStable(blobs, func(i, j int) bool { return blobs[i].desc.Digest < blobs[j].desc.Digest })
-	tw := tar.NewWriter(w)
-	hdr := func(name string, typ byte, size int64) error {
-		mode := int64(0o644)
-		if typ == tar.TypeDir {
-			mode = 0o755
-		}
-		return tw.WriteHeader(&tar.Header{Typeflag: typ, Name: name, Size: size, Mode: mode, ModTime: Epoch, Format: tar.FormatPAX})
-	}
-	for _, f := range []struct {
-		name string
-		data []byte
-	}{{ocispec.ImageLayoutFile, layout}, {ocispec.ImageIndexFile, index}} {
-		if err := hdr(f.name, tar.TypeReg, int64(len(f.data))); err != nil {
-			return err
-		}
-		if _, err := tw.Write(f.data); err != nil {
-			return err
-		}
-	}
-	for _, d := range []string{"blobs/", "blobs/sha256/"} {
-		if err := hdr(d, tar.TypeDir, 0); err != nil {
-			return err
-		}
-	}
-	var last digest.Digest
-	for _, b := range blobs {
-		if b.desc.Digest == last {
-			continue // two identical layers share one blob
-		}
-		last = b.desc.Digest
-		if err := hdr("blobs/sha256/"+b.desc.Digest.Encoded(), tar.TypeReg, b.desc.Size); err != nil {
-			return err
-		}
-		if err := copyBlob(tw, b); err != nil {
-			return err
-		}
-	}
-	return tw.Close()
-}
+// formatVersion changes whenever Build's output for a given Spec changes, so
+// archives cached by an older builder are not reused.
+const formatVersion = "imagebuild/2"
 
-func copyBlob(w io.Writer, b blob) error {
-	if b.path == "" {
-		_, err := w.Write(b.data)
-		return err
+// Archive is a built image archive on disk.
+type Archive struct{ Path string }
+
+// Key is a content hash of spec: every field, plus for host copies the path,
+// size, mtime, inode and mode of each file they read. Host file contents are not
+// read: a host file replaced or rewritten changes its inode or mtime, and hashing
+// a 100 MB node binary on every test run is what the cache is there to avoid.
+func Key(spec Spec) (string, error) {
+	h := sha256.New()
+	enc := json.NewEncoder(h)
+	err := enc.Encode([]any{formatVersion, spec})
+	for _, l := range spec.Layers {
+		for _, e := range l {
+			if err != nil || e.Kind != KindHostFile && e.Kind != KindHostDir {
+				continue
+			}
+			var src string
+			if src, err = filepath.EvalSymlinks(e.Source); err != nil {
+				break
+			}
+			err = filepath.WalkDir(src, func(p string, d fs.DirEntry, err error) error {
+				var fi fs.FileInfo
+				if err == nil {
+					fi, err = d.Info()
+				}
+				if err != nil {
+					return err
+				}
+				target, _ := os.Readlink(p) // "" unless p is a link
+				st, _ := fi.Sys().(*syscall.Stat_t)
+				if err := enc.Encode([]any{p, fi.Mode(), fi.Size(), fi.ModTime().UnixNano(), st.Ino, target}); err != nil || e.Kind == KindHostFile {
+					return cmp.Or(err, filepath.SkipAll)
+				}
+				return nil
+			})
+		}
 	}
-	f, err := os.Open(b.path)
 	if err != nil {
-		return err
+		return "", fmt.Errorf("image key: %w", err)
 	}
-	defer f.Close()
-	n, err := io.Copy(w, f)
-	if err == nil && n != b.desc.Size {
-		err = fmt.Errorf("staged blob %s: %d bytes, want %d", b.desc.Digest, n, b.desc.Size)
-	}
-	return err
+	return hex.EncodeToString(h.Sum(nil)), nil
 }
+
+// Cached returns the archive of spec under dir, building it the first time,
+// named by Key. Concurrent builders of one spec are safe: each writes its own
+// temporary file and renames it into place.
+func Cached(spec Spec, dir string) (Archive, error) {
+	key, err := Key(spec)
+	if err != nil {
+		return Archive{}, err
+	}
+	a := Archive{Path: filepath.Join(dir, key+".tar")}
+	if _, err := os.Stat(a.Path); err == nil {
+		return a, nil
+	}
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return Archive{}, fmt.Errorf("image cache: %w", err)
+	}
+	f, err := os.CreateTemp(dir, "."+key+".tmp-*")
+	if err != nil {
+		return Archive{}, fmt.Errorf("image cache: %w", err)
+	}
+	defer os.Remove(f.Name()) // no-op once renamed
+	_, err = Build(spec, f)
+	if err = errors.Join(err, f.Close()); err == nil {
+		err = errors.Join(os.Chmod(f.Name(), 0o644), os.Rename(f.Name(), a.Path))
+	}
+	return a, err
+}
+
+// DefaultCacheDir is where archives are cached: <repo>/.cache/images, or
+// $TIDEPOOL_CACHE_DIR/images.
+func DefaultCacheDir() (string, error) { return testenv.CacheDir("images") }

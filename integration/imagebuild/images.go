@@ -1,20 +1,26 @@
 package imagebuild
 
 import (
-	"bufio"
 	"bytes"
+	"cmp"
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
 	"errors"
 	"fmt"
 	"io/fs"
+	"maps"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"sort"
 	"strings"
+	"testing"
+	"time"
+
+	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 
 	"github.com/tidepool-dev/tidepool/integration/testenv"
 )
@@ -82,7 +88,7 @@ func Busybox() (Spec, error) {
 	if err != nil {
 		return Spec{}, err
 	}
-	return Spec{Layers: []Layer{l}, Config: Config{Cmd: []string{"sh"}}}, nil
+	return Spec{Layers: []Layer{l}, Config: ocispec.ImageConfig{Cmd: []string{"sh"}}}, nil
 }
 
 // NodePackages are the npm packages, exact versions, installed into the Node
@@ -136,7 +142,7 @@ func Node(ctx context.Context) (Spec, error) {
 	}
 	return Spec{
 		Layers: []Layer{base, l},
-		Config: Config{Cmd: []string{"node", "/app/index.js"}, WorkingDir: "/app"},
+		Config: ocispec.ImageConfig{Cmd: []string{"node", "/app/index.js"}, WorkingDir: "/app"},
 	}, nil
 }
 
@@ -151,47 +157,39 @@ func sharedLibraries(ctx context.Context, bin string) ([]string, error) {
 	if err != nil {
 		return nil, fmt.Errorf("ldd %s: %w", bin, err)
 	}
-	return parseLdd(out)
+	return parseLdd(string(out))
 }
 
 // parseLdd reads ldd output: "name => /path (addr)", "/loader (addr)", and
 // entries without a file (the vDSO) that need nothing copied.
-func parseLdd(out []byte) ([]string, error) {
-	seen := map[string]bool{}
+func parseLdd(out string) ([]string, error) {
 	var libs []string
-	sc := bufio.NewScanner(bytes.NewReader(out))
-	for sc.Scan() {
-		line := strings.TrimSpace(sc.Text())
-		if line == "" || strings.Contains(line, "statically linked") {
-			continue
-		}
+	for _, line := range strings.Split(out, "\n") {
 		if strings.Contains(line, "not found") {
-			return nil, fmt.Errorf("ldd: %s", line)
+			return nil, fmt.Errorf("ldd: %s", strings.TrimSpace(line))
 		}
-		field := line
 		if _, after, ok := strings.Cut(line, "=>"); ok {
-			field = strings.TrimSpace(after)
+			line = after
 		}
-		p, _, _ := strings.Cut(field, " (")
-		p = strings.TrimSpace(p)
-		if !strings.HasPrefix(p, "/") || seen[p] {
-			continue
+		if p, _, _ := strings.Cut(strings.TrimSpace(line), " ("); strings.HasPrefix(p, "/") {
+			libs = append(libs, p)
 		}
-		seen[p] = true
-		libs = append(libs, p)
-	}
-	if err := sc.Err(); err != nil {
-		return nil, fmt.Errorf("ldd output: %w", err)
 	}
 	sort.Strings(libs)
-	return libs, nil
+	return slices.Compact(libs), nil
 }
 
 // npmTree returns a directory holding package.json, package-lock.json and the
 // installed node_modules of NodePackages, running npm install once per package
 // set and keeping the result under the cache.
 func npmTree(ctx context.Context) (string, error) {
-	pkg := nodePackageJSON()
+	names := slices.Sorted(maps.Keys(NodePackages))
+	deps := make([]string, len(names))
+	for i, n := range names {
+		deps[i] = fmt.Sprintf("    %q: %q", n, NodePackages[n])
+	}
+	pkg := "{\n  \"name\": \"tidepool-test-app\",\n  \"version\": \"1.0.0\",\n  \"private\": true,\n" +
+		"  \"dependencies\": {\n" + strings.Join(deps, ",\n") + "\n  }\n}\n"
 	sum := sha256.Sum256([]byte(pkg))
 	cache, err := testenv.CacheDir("npm")
 	if err != nil {
@@ -213,36 +211,18 @@ func npmTree(ctx context.Context) (string, error) {
 	if err := os.WriteFile(filepath.Join(tmp, "package.json"), []byte(pkg), 0o644); err != nil {
 		return "", fmt.Errorf("npm tree: %w", err)
 	}
-	cmd := exec.CommandContext(ctx, npm, "install", "--no-audit", "--no-fund", "--ignore-scripts",
-		"--cache", filepath.Join(cache, "_npm-cache"))
+	cmd := exec.CommandContext(ctx, npm, "install", "--no-audit", "--no-fund", "--ignore-scripts", "--cache", filepath.Join(cache, "_npm-cache"))
 	cmd.Dir = tmp
-	var out bytes.Buffer
-	cmd.Stdout, cmd.Stderr = &out, &out
-	if err := cmd.Run(); err != nil {
-		return "", fmt.Errorf("npm install in %s: %w: %s", tmp, err, strings.TrimSpace(out.String()))
+	if out, err := cmd.CombinedOutput(); err != nil {
+		return "", fmt.Errorf("npm install in %s: %w: %s", tmp, err, bytes.TrimSpace(out))
 	}
+	// If another test package installed the same tree first, use theirs.
 	if err := os.Rename(tmp, final); err != nil {
-		// Another test package installed the same tree first: use theirs.
-		if _, serr := os.Stat(filepath.Join(final, "node_modules")); serr == nil {
-			return final, nil
+		if _, serr := os.Stat(filepath.Join(final, "node_modules")); serr != nil {
+			return "", fmt.Errorf("npm tree: %w", err)
 		}
-		return "", fmt.Errorf("npm tree: %w", err)
 	}
 	return final, nil
-}
-
-func nodePackageJSON() string {
-	names := make([]string, 0, len(NodePackages))
-	for n := range NodePackages {
-		names = append(names, n)
-	}
-	sort.Strings(names)
-	var deps []string
-	for _, n := range names {
-		deps = append(deps, fmt.Sprintf("    %q: %q", n, NodePackages[n]))
-	}
-	return "{\n  \"name\": \"tidepool-test-app\",\n  \"version\": \"1.0.0\",\n  \"private\": true,\n" +
-		"  \"dependencies\": {\n" + strings.Join(deps, ",\n") + "\n  }\n}\n"
 }
 
 // Pause is an image holding only /pause, a static Go binary (built from
@@ -258,10 +238,7 @@ func Pause(ctx context.Context) (Spec, error) {
 	if err != nil {
 		return Spec{}, fmt.Errorf("pause image: %w", err)
 	}
-	return Spec{
-		Layers: []Layer{{File("/pause", data, 0o755)}},
-		Config: Config{Entrypoint: []string{"/pause"}},
-	}, nil
+	return Spec{Layers: []Layer{{File("/pause", data, 0o755)}}, Config: ocispec.ImageConfig{Entrypoint: []string{"/pause"}}}, nil
 }
 
 // PauseBinary builds the pause program once per source and Go version and
@@ -274,21 +251,17 @@ func PauseBinary(ctx context.Context) (string, error) {
 	src := filepath.Join(root, "integration", "imagebuild", "pause")
 	h := sha256.New()
 	h.Write([]byte(runtime.Version() + "\n"))
-	files, err := filepath.Glob(filepath.Join(src, "*.go"))
-	if err != nil || len(files) == 0 {
-		return "", fmt.Errorf("pause sources in %s: none found", src)
-	}
+	files, _ := filepath.Glob(filepath.Join(src, "*.go"))
 	for _, f := range files {
 		data, err := os.ReadFile(f)
 		if err != nil {
 			return "", fmt.Errorf("pause sources: %w", err)
 		}
-		fmt.Fprintf(h, "%s %d\n", filepath.Base(f), len(data))
-		h.Write(data)
+		fmt.Fprintf(h, "%s %d\n%s", filepath.Base(f), len(data), data)
 	}
 	cache, err := testenv.CacheDir("bin")
-	if err != nil {
-		return "", err
+	if err != nil || len(files) == 0 {
+		return "", cmp.Or(err, fmt.Errorf("pause sources in %s: none found", src))
 	}
 	out := filepath.Join(cache, "pause-"+hex.EncodeToString(h.Sum(nil)[:8]))
 	if _, err := os.Stat(out); err == nil {
@@ -301,13 +274,42 @@ func PauseBinary(ctx context.Context) (string, error) {
 	tmp := fmt.Sprintf("%s.tmp-%d", out, os.Getpid())
 	defer os.Remove(tmp)
 	cmd := exec.CommandContext(ctx, goTool, "build", "-trimpath", "-ldflags=-s -w", "-o", tmp, ".")
-	cmd.Dir = src
-	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+	cmd.Dir, cmd.Env = src, append(os.Environ(), "CGO_ENABLED=0")
 	if msg, err := cmd.CombinedOutput(); err != nil {
-		return "", fmt.Errorf("build pause: %w: %s", err, strings.TrimSpace(string(msg)))
+		return "", fmt.Errorf("build pause: %w: %s", err, bytes.TrimSpace(msg))
 	}
-	if err := os.Rename(tmp, out); err != nil {
-		return "", fmt.Errorf("build pause: %w", err)
+	return out, os.Rename(tmp, out)
+}
+
+// BusyboxArchive returns the cached archive of Busybox, building it if needed.
+// It skips the test when the host lacks what the image copies (busybox-static;
+// node and npm for Node; the go toolchain for Pause) and fails it on other errors.
+func BusyboxArchive(t testing.TB) Archive {
+	t.Helper()
+	return archiveFor(t, func(context.Context) (Spec, error) { return Busybox() })
+}
+
+// NodeArchive is BusyboxArchive for Node (the first call on a machine runs npm install).
+func NodeArchive(t testing.TB) Archive { t.Helper(); return archiveFor(t, Node) }
+
+// PauseArchive is BusyboxArchive for Pause.
+func PauseArchive(t testing.TB) Archive { t.Helper(); return archiveFor(t, Pause) }
+
+func archiveFor(t testing.TB, spec func(context.Context) (Spec, error)) Archive {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	defer cancel()
+	s, err := spec(ctx)
+	if errors.Is(err, ErrHostMissing) {
+		t.Skipf("skipping: %v", err)
 	}
-	return out, nil
+	dir, derr := DefaultCacheDir()
+	if err = cmp.Or(err, derr); err != nil {
+		t.Fatalf("image: %v", err)
+	}
+	a, err := Cached(s, dir)
+	if err != nil {
+		t.Fatalf("build image: %v", err)
+	}
+	return a
 }
