@@ -44,7 +44,7 @@ func run(args []string) error {
 		return err
 	}
 	if *printDefault {
-		b, err := plugin.DefaultConfig().Marshal()
+		b, err := defaultConfigTOML()
 		if err != nil {
 			return err
 		}
@@ -74,4 +74,17 @@ func run(args []string) error {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 	return serve(ctx, cfg)
+}
+
+// defaultConfigTOML is what --print-default-config prints: every key with its
+// default and its comment. contrib/tidepoold.toml is exactly this output; a golden
+// test keeps them equal (go test ./cmd/tidepoold -run Golden -update rewrites it).
+func defaultConfigTOML() ([]byte, error) {
+	b, err := plugin.DefaultConfig().Marshal()
+	if err != nil {
+		return nil, err
+	}
+	header := "# tidepoold configuration: every key with its default (`tidepoold --print-default-config`).\n" +
+		"# Install as /etc/tidepool/tidepoold.toml; command-line flags override it.\n\n"
+	return append([]byte(header), b...), nil
 }
