@@ -23,7 +23,6 @@ import (
 
 	"github.com/tidepool-dev/tidepool/binding"
 	"github.com/tidepool-dev/tidepool/pool/holder"
-	"github.com/tidepool-dev/tidepool/shim"
 )
 
 // Member is one pre-created container of a pool.
@@ -251,7 +250,7 @@ func (p *Pool) create(ctx context.Context) (_ *Member, retErr error) {
 		containerd.WithNewSnapshot(id, image, snapshots.WithLabels(map[string]string{
 			binding.LabelLateBind: "true", binding.LabelWorkdir: p.t.Workdir, binding.LabelOwner: p.t.Owner,
 		})),
-		containerd.WithRuntime(shim.RuntimeName, rtOpts),
+		containerd.WithRuntime(binding.RuntimeName, rtOpts),
 		containerd.WithNewSpec(specOpts...),
 		containerd.WithContainerLabels(map[string]string{
 			LabelPool: p.t.Name, LabelMember: id, LabelState: stateIdle,

@@ -29,7 +29,7 @@ import (
 )
 
 // AnnotationPool asks for a warm member of the named tidepoold pool.
-const AnnotationPool = "dev.tidepool.pool"
+const AnnotationPool = binding.AnnotationPool
 
 // adoptedTask is a container whose task is a warm pool member: tidepoold re-keyed the
 // member's snapshot to the container's, and this shim drives the member through
