@@ -98,7 +98,7 @@ func (c *Controller) Run(ctx context.Context, spec RunSpec, rio RunIO) (RunResul
 	}
 	defer closeAll(parent)
 	wait := m.exited
-	err = holder.SendExec(filepath.Join(m.dir, holder.ControlName), holder.ExecRequest{
+	err = holder.SendExec(filepath.Join(m.dir, holder.ControlName), m.holderPeer(), holder.ExecRequest{
 		Args: spec.Args, Env: mergeEnv(m.env, spec.Env), Cwd: cwd, Fds: true,
 	}, stdio)
 	closeAll(stdio)
