@@ -71,6 +71,9 @@ type Controller struct {
 	sn      Snapshots
 	cgroups cgroupHost
 	metrics *Metrics
+	// newMember starts one member of a pool in containerd ((*Pool).create); tests
+	// replace it.
+	newMember func(*Pool, context.Context) (*Member, error)
 
 	pools map[string]*Pool
 
@@ -91,7 +94,8 @@ func NewController(cfg Config, sn Snapshots) (*Controller, error) {
 	if cfg.Snapshotter == "" {
 		cfg.Snapshotter = "tidepool"
 	}
-	c := &Controller{cfg: cfg, sn: sn, cgroups: v1Cgroups{}, metrics: newMetrics(), pools: map[string]*Pool{}, ready: make(chan struct{})}
+	c := &Controller{cfg: cfg, sn: sn, cgroups: v1Cgroups{}, metrics: newMetrics(), pools: map[string]*Pool{}, ready: make(chan struct{}),
+		newMember: (*Pool).create}
 	for i := range cfg.Templates {
 		t := cfg.Templates[i]
 		if err := t.Validate(); err != nil {

@@ -125,7 +125,7 @@ func (p *Pool) needMember() bool {
 }
 
 func (p *Pool) fill(ctx context.Context) {
-	m, err := p.create(ctx)
+	m, err := p.c.newMember(p, ctx)
 	p.mu.Lock()
 	p.starting--
 	if err == nil {
