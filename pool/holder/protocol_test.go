@@ -129,8 +129,10 @@ func TestReceiveShortReads(t *testing.T) {
 	rd, wr := pair(t)
 	msg, _ := Encode(sample())
 	stdio := devNulls(t)
+	rights := unix.UnixRights(int(stdio[0].Fd()), int(stdio[1].Fd()), int(stdio[2].Fd()))
+	sent := make(chan struct{})
 	go func() {
-		rights := unix.UnixRights(int(stdio[0].Fd()), int(stdio[1].Fd()), int(stdio[2].Fd()))
+		defer close(sent)
 		for i := range msg {
 			var oob []byte
 			if i == 0 {
@@ -140,6 +142,7 @@ func TestReceiveShortReads(t *testing.T) {
 			time.Sleep(50 * time.Microsecond)
 		}
 	}()
+	defer func() { <-sent }()
 	req, fds, err := Receive(rd)
 	if err != nil || !reflect.DeepEqual(req, sample()) || len(fds) != 3 {
 		t.Fatalf("request %+v, %d fds, %v", req, len(fds), err)
