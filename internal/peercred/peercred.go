@@ -97,31 +97,21 @@ func CheckDir(dir string) error {
 	if !st.IsDir() {
 		return fmt.Errorf("%s is not a directory", dir)
 	}
-	sys, ok := st.Sys().(*syscall.Stat_t)
-	if !ok {
-		return fmt.Errorf("%s: no owner information", dir)
-	}
-	if sys.Uid != 0 && int(sys.Uid) != os.Geteuid() {
-		return fmt.Errorf("socket directory %s belongs to uid %d: another user could replace the socket", dir, sys.Uid)
-	}
-	if st.Mode().Perm()&0o022 != 0 && st.Mode()&os.ModeSticky == 0 {
-		return fmt.Errorf("socket directory %s is %v: writable by other users, who could replace the socket", dir, st.Mode().Perm())
-	}
-	if parent := filepath.Dir(dir); parent != dir {
-		return checkAncestor(parent)
-	}
-	return nil
+	return checkAncestor(dir)
 }
 
-// checkAncestor applies the same rule up to the root: a writable ancestor lets its
-// writer rename the whole subtree.
+// checkAncestor applies the rule to dir and every directory above it: a writable
+// ancestor lets its writer rename the whole subtree.
 func checkAncestor(dir string) error {
 	st, err := os.Stat(dir)
 	if err != nil {
 		return err
 	}
-	sys, _ := st.Sys().(*syscall.Stat_t)
-	if sys != nil && sys.Uid != 0 && int(sys.Uid) != os.Geteuid() {
+	sys, ok := st.Sys().(*syscall.Stat_t)
+	if !ok {
+		return fmt.Errorf("%s: no owner information", dir)
+	}
+	if sys.Uid != 0 && int(sys.Uid) != os.Geteuid() {
 		return fmt.Errorf("%s belongs to uid %d: another user could replace the sockets below it", dir, sys.Uid)
 	}
 	if st.Mode().Perm()&0o022 != 0 && st.Mode()&os.ModeSticky == 0 {
