@@ -119,8 +119,15 @@ func claimCgroupReason(l *specs.Linux) string {
 		// "slice:prefix:name" is systemd's driver, which owns its units.
 		return "cgroups_path_systemd"
 	}
-	if r := l.Resources; r != nil && len(r.Unified) > 0 {
+	r := l.Resources
+	switch {
+	case r == nil:
+	case len(r.Unified) > 0:
 		return "resources_unified"
+	case r.CPU != nil && (r.CPU.Burst != nil || r.CPU.Idle != nil):
+		// containerd's cgroup v1 library, which makes the container's cgroup, does
+		// not set these; the container would run without them.
+		return "resources_unsupported"
 	}
 	return ""
 }

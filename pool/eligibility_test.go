@@ -225,6 +225,14 @@ func TestIneligibleCases(t *testing.T) {
 		{"cgroup v2 only resources", func(s *specs.Spec) {
 			s.Linux.Resources = &specs.LinuxResources{Unified: map[string]string{"memory.high": "1"}}
 		}, "resources_unified"},
+		{"cpu burst", func(s *specs.Spec) {
+			b := uint64(1000)
+			s.Linux.Resources = &specs.LinuxResources{CPU: &specs.LinuxCPU{Burst: &b}}
+		}, "resources_unsupported"},
+		{"cpu quota is applied at claim", func(s *specs.Spec) {
+			q, p := int64(50000), uint64(100000)
+			s.Linux.Resources = &specs.LinuxResources{CPU: &specs.LinuxCPU{Quota: &q, Period: &p}}
+		}, ""},
 		{"terminal", func(s *specs.Spec) { s.Process.Terminal = true }, "terminal"},
 		{"other user", func(s *specs.Spec) { s.Process.User.UID = 1000 }, "user"},
 		{"extra group", func(s *specs.Spec) { s.Process.User.AdditionalGids = []uint32{10} }, "user"},
