@@ -36,7 +36,15 @@ const (
 	AnnotationWorkdir = AnnotationPrefix + "workdir"
 	AnnotationOwner   = AnnotationPrefix + "owner"
 	AnnotationDiscard = AnnotationPrefix + "discard"
+	// AnnotationRuntime selects the shim's route (runc, runsc, a delegate shim).
+	AnnotationRuntime = AnnotationPrefix + "runtime"
+	// AnnotationPool asks for a warm member of the named tidepoold pool.
+	AnnotationPool = AnnotationPrefix + "pool"
 )
+
+// RuntimeName is the runtime type containerd resolves to containerd-shim-tidepool-v1.
+// The pools create their members with it; the shim registers under it.
+const RuntimeName = "io.containerd.tidepool.v1"
 
 // DefaultWorkdir is where the fork appears when no workdir is given.
 const DefaultWorkdir = "/workspace"

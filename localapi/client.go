@@ -3,6 +3,7 @@ package localapi
 import (
 	"context"
 	"fmt"
+	"net"
 	"time"
 
 	"github.com/containerd/errdefs/pkg/errgrpc"
@@ -13,6 +14,7 @@ import (
 	apiv1 "github.com/tidepool-dev/tidepool/api/v1"
 	"github.com/tidepool-dev/tidepool/casstore"
 	"github.com/tidepool-dev/tidepool/casstore/forks"
+	"github.com/tidepool-dev/tidepool/internal/peercred"
 )
 
 // Client talks to tidepoold's local API over a unix socket.
@@ -28,7 +30,21 @@ var _ forks.Service = (*Client)(nil)
 // Dial connects to the API socket at address and checks that a daemon answers within
 // timeout, so callers can fall back cleanly when none runs.
 func Dial(ctx context.Context, address string, timeout time.Duration) (*Client, error) {
-	conn, err := grpc.NewClient("unix://"+address, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	// The daemon must be root (or us): a socket someone else bound would receive
+	// container specs and workloads.
+	dial := func(ctx context.Context, _ string) (net.Conn, error) {
+		var d net.Dialer
+		c, err := d.DialContext(ctx, "unix", address)
+		if err != nil {
+			return nil, err
+		}
+		if err := peercred.CheckConn(c); err != nil {
+			c.Close()
+			return nil, fmt.Errorf("tidepoold API at %s: %w", address, err)
+		}
+		return c, nil
+	}
+	conn, err := grpc.NewClient("passthrough:///"+address, grpc.WithTransportCredentials(insecure.NewCredentials()), grpc.WithContextDialer(dial))
 	if err != nil {
 		return nil, fmt.Errorf("tidepoold API at %s: %w", address, err)
 	}

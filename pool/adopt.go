@@ -2,10 +2,9 @@ package pool
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"path/filepath"
-	"reflect"
-	"strings"
 	"sync"
 	"syscall"
 	"time"
@@ -21,8 +20,35 @@ import (
 	"github.com/tidepool-dev/tidepool/snapshotter"
 )
 
-// LabelAdoptedBy names the container that adopted a member.
-const LabelAdoptedBy = "dev.tidepool.adopted-by"
+// LabelAdoptedBy names the container that adopted a member; LabelCgroup the
+// container's cgroup its processes were moved into.
+const (
+	LabelAdoptedBy = "dev.tidepool.adopted-by"
+	LabelCgroup    = "dev.tidepool.member-cgroup"
+)
+
+// moveToContainerCgroup makes the cgroup the container asked for (its path and
+// resources) and moves the member's processes into it, frozen. On failure it returns
+// the cold-fallback reason.
+func (c *Controller) moveToContainerCgroup(ctx context.Context, m *Member, l *specs.Linux) (string, error) {
+	procs, err := m.task.Pids(ctx)
+	if err != nil {
+		return "cgroup_apply_failed", err
+	}
+	pids := make([]int, 0, len(procs))
+	for _, p := range procs {
+		pids = append(pids, int(p.Pid))
+	}
+	err = c.cgroups.Move(l.CgroupsPath, l.Resources, pids)
+	if errors.Is(err, errCgroupInUse) {
+		return "cgroups_path_in_use", err
+	}
+	m.movedTo = l.CgroupsPath // ours now, even half made: destroy removes it
+	if err != nil {
+		return "cgroup_apply_failed", err
+	}
+	return "", nil
+}
 
 // AdoptRequest is a container created with the dev.tidepool.pool annotation, as its
 // runtime shim sees it at create.
@@ -123,6 +149,10 @@ func (c *Controller) Adopt(ctx context.Context, req AdoptRequest) (Adoption, err
 		p.giveBack(m) // nothing touched it
 		return cold(reason)
 	}
+	if reason := c.cgroups.Supported(); reason != "" {
+		p.giveBack(m)
+		return cold(reason)
+	}
 	mInfo, err := c.sn.Stat(ctx, m.snapKey)
 	if err != nil || mInfo.Parent != info.Parent {
 		p.giveBack(m)
@@ -131,6 +161,15 @@ func (c *Controller) Adopt(ctx context.Context, req AdoptRequest) (Adoption, err
 	if err := c.sn.CheckLateBind(ctx, m.snapKey); err != nil {
 		release("tainted")
 		return cold("tainted_member")
+	}
+	if reason, err := c.moveToContainerCgroup(ctx, m, req.Spec.Linux); reason != "" {
+		// The member may be half moved: it never goes back, and the cgroup we made
+		// goes with it, so that runc makes the container's own when it starts cold.
+		log.G(ctx).WithError(err).WithField("member", m.id).WithField("container", req.ContainerID).Warn("pools: cannot give a member the container's cgroup")
+		p.release()
+		c.metrics.discarded.WithLabelValues(p.t.Name, reason).Inc()
+		p.destroy(context.WithoutCancel(ctx), m)
+		return cold(reason)
 	}
 	if err := c.sn.Rekey(ctx, m.snapKey, key); err != nil {
 		release("rekey_failed")
@@ -157,7 +196,7 @@ func (c *Controller) Adopt(ctx context.Context, req AdoptRequest) (Adoption, err
 	}
 	c.adoptions[m.id] = ad
 	c.mu.Unlock()
-	go m.container.SetLabels(context.WithoutCancel(ctx), map[string]string{LabelState: stateClaimed, LabelAdoptedBy: req.ContainerID})
+	go m.container.SetLabels(context.WithoutCancel(ctx), map[string]string{LabelState: stateClaimed, LabelAdoptedBy: req.ContainerID, LabelCgroup: m.movedTo})
 	log.G(ctx).WithField("member", m.id).WithField("container", req.ContainerID).Debug("pools: container adopted a warm member")
 	return a, nil
 }
@@ -180,7 +219,7 @@ func (c *Controller) StartMember(ctx context.Context, member string) error {
 		return err
 	}
 	start := time.Now()
-	if err := a.m.task.Resume(ctx); err != nil {
+	if err := a.m.resume(ctx); err != nil {
 		return fmt.Errorf("start member %s: %w", member, err)
 	}
 	c.metrics.claimSeconds.WithLabelValues(a.m.pool.t.Name).Observe(time.Since(start).Seconds())
@@ -193,6 +232,10 @@ func (c *Controller) SignalMember(ctx context.Context, member string, sig syscal
 	a, err := c.adoption(member)
 	if err != nil {
 		return err
+	}
+	if all && a.m.movedTo != "" {
+		// runc would look for them in the member's cgroup, which they left.
+		return c.cgroups.Signal(a.m.movedTo, sig)
 	}
 	var opts []containerd.KillOpts
 	if all {
@@ -209,9 +252,9 @@ func (c *Controller) PauseMember(ctx context.Context, member string, pause bool)
 		return err
 	}
 	if pause {
-		return a.m.task.Pause(ctx)
+		return a.m.pause(ctx)
 	}
-	return a.m.task.Resume(ctx)
+	return a.m.resume(ctx)
 }
 
 // WaitMember waits for an adopted member's workload to exit.
@@ -264,62 +307,4 @@ func (p *Pool) giveBack(m *Member) {
 	p.claimed--
 	p.idle = append([]*Member{m}, p.idle...)
 	p.mu.Unlock()
-}
-
-// ineligible compares a container's spec with a member's: everything that is fixed
-// when a container is created (runc create) must be the same, except the process
-// itself, which the holder takes late. It returns the first difference, or "".
-func ineligible(member, req *specs.Spec) string {
-	if req == nil || req.Process == nil || member.Process == nil {
-		return "spec"
-	}
-	switch {
-	case req.Process.Terminal:
-		return "terminal"
-	case !reflect.DeepEqual(req.Process.User, member.Process.User):
-		return "user"
-	case !reflect.DeepEqual(req.Process.Capabilities, member.Process.Capabilities):
-		return "capabilities"
-	case req.Process.NoNewPrivileges != member.Process.NoNewPrivileges,
-		!reflect.DeepEqual(req.Process.Rlimits, member.Process.Rlimits),
-		req.Process.ApparmorProfile != member.Process.ApparmorProfile,
-		req.Process.SelinuxLabel != member.Process.SelinuxLabel:
-		return "security"
-	case req.Hostname != member.Hostname:
-		return "hostname"
-	case !reflect.DeepEqual(req.Root, member.Root):
-		return "root"
-	case !reflect.DeepEqual(req.Hooks, member.Hooks) && req.Hooks != nil:
-		return "hooks"
-	case !reflect.DeepEqual(req.Mounts, memberMounts(member)):
-		return "mounts"
-	}
-	rl, ml := req.Linux, member.Linux
-	if rl == nil || ml == nil {
-		return "spec"
-	}
-	switch {
-	case !reflect.DeepEqual(rl.Namespaces, ml.Namespaces):
-		return "namespaces"
-	case !reflect.DeepEqual(rl.Seccomp, ml.Seccomp),
-		!reflect.DeepEqual(rl.MaskedPaths, ml.MaskedPaths),
-		!reflect.DeepEqual(rl.ReadonlyPaths, ml.ReadonlyPaths),
-		!reflect.DeepEqual(rl.Sysctl, ml.Sysctl),
-		!reflect.DeepEqual(rl.Devices, ml.Devices):
-		return "security"
-	case !reflect.DeepEqual(rl.UIDMappings, ml.UIDMappings), !reflect.DeepEqual(rl.GIDMappings, ml.GIDMappings):
-		return "user_namespace"
-	}
-	return ""
-}
-
-// memberMounts are a member's mounts without the holder's own.
-func memberMounts(s *specs.Spec) []specs.Mount {
-	var out []specs.Mount
-	for _, m := range s.Mounts {
-		if !strings.HasPrefix(m.Destination, "/.tidepool/") {
-			out = append(out, m)
-		}
-	}
-	return out
 }

@@ -9,13 +9,17 @@ import (
 	"sort"
 	"strings"
 	"sync"
+	"syscall"
 	"time"
 
 	containerd "github.com/containerd/containerd/v2/client"
+	"github.com/containerd/containerd/v2/core/mount"
+	"github.com/containerd/containerd/v2/core/snapshots"
 	"github.com/containerd/containerd/v2/pkg/namespaces"
 	"github.com/containerd/errdefs"
 	"github.com/containerd/log"
 
+	"github.com/tidepool-dev/tidepool/casstore"
 	"github.com/tidepool-dev/tidepool/snapshotter"
 )
 
@@ -49,11 +53,27 @@ type Config struct {
 	Templates   []Template
 }
 
+// Snapshots is what the pools need from the tidepool snapshotter (which
+// *snapshotter.Snapshotter is): the member snapshots' keys and state, and binding,
+// re-keying and committing them.
+type Snapshots interface {
+	KeyFromMounts(ctx context.Context, mounts []mount.Mount) (string, error)
+	Stat(ctx context.Context, key string) (snapshots.Info, error)
+	CheckLateBind(ctx context.Context, key string) error
+	Rekey(ctx context.Context, from, to string) error
+	Bind(ctx context.Context, req snapshotter.BindRequest) (snapshotter.BindResult, error)
+	CommitNow(ctx context.Context, key string) (forkID string, root casstore.Hash, err error)
+}
+
 // Controller keeps every pool at its target and serves claims.
 type Controller struct {
 	cfg     Config
-	sn      *snapshotter.Snapshotter
+	sn      Snapshots
+	cgroups cgroupHost
 	metrics *Metrics
+	// newMember starts one member of a pool in containerd ((*Pool).create); tests
+	// replace it.
+	newMember func(*Pool, context.Context) (*Member, error)
 
 	pools map[string]*Pool
 
@@ -67,14 +87,15 @@ type Controller struct {
 }
 
 // NewController checks the templates; Start connects to containerd.
-func NewController(cfg Config, sn *snapshotter.Snapshotter) (*Controller, error) {
+func NewController(cfg Config, sn Snapshots) (*Controller, error) {
 	if cfg.Namespace == "" {
 		cfg.Namespace = "tidepool"
 	}
 	if cfg.Snapshotter == "" {
 		cfg.Snapshotter = "tidepool"
 	}
-	c := &Controller{cfg: cfg, sn: sn, metrics: newMetrics(), pools: map[string]*Pool{}, ready: make(chan struct{})}
+	c := &Controller{cfg: cfg, sn: sn, cgroups: v1Cgroups{}, metrics: newMetrics(), pools: map[string]*Pool{}, ready: make(chan struct{}),
+		newMember: (*Pool).create}
 	for i := range cfg.Templates {
 		t := cfg.Templates[i]
 		if err := t.Validate(); err != nil {
@@ -89,7 +110,14 @@ func NewController(cfg Config, sn *snapshotter.Snapshotter) (*Controller, error)
 		if _, err := os.Stat(cfg.Holder); err != nil {
 			return nil, fmt.Errorf("pool holder binary: %w", err)
 		}
-		if err := os.MkdirAll(cfg.StateDir, 0o711); err != nil {
+		// Member control directories live here; nobody but root may reach them.
+		if err := os.MkdirAll(cfg.StateDir, 0o700); err != nil {
+			return nil, fmt.Errorf("pool state dir: %w", err)
+		}
+		if err := os.Chown(cfg.StateDir, os.Geteuid(), os.Getegid()); err != nil {
+			return nil, fmt.Errorf("pool state dir: %w", err)
+		}
+		if err := os.Chmod(cfg.StateDir, 0o700); err != nil {
 			return nil, fmt.Errorf("pool state dir: %w", err)
 		}
 	}
@@ -287,8 +315,20 @@ func (c *Controller) reconcile(ctx context.Context) {
 // destroyContainer removes a container and its task, whatever state they are in.
 func (c *Controller) destroyContainer(ctx context.Context, ctr containerd.Container) {
 	ctx = context.WithoutCancel(ctx)
+	labels, _ := ctr.Labels(ctx)
+	moved := labels[LabelCgroup]
 	if task, err := ctr.Task(ctx, nil); err == nil {
-		killAndDelete(ctx, task)
+		killAndDelete(ctx, task, func() {
+			if moved != "" {
+				c.cgroups.Signal(moved, syscall.SIGKILL)
+				c.cgroups.Thaw(moved)
+			}
+		})
+	}
+	if moved != "" {
+		if err := c.cgroups.Delete(moved); err != nil {
+			log.G(ctx).WithError(err).WithField("member", ctr.ID()).WithField("cgroup", moved).Warn("pools: cannot remove the container cgroup of a member")
+		}
 	}
 	if err := ctr.Delete(ctx, containerd.WithSnapshotCleanup); err != nil && !errdefs.IsNotFound(err) {
 		log.G(ctx).WithError(err).WithField("member", ctr.ID()).Warn("pools: cannot delete member container")

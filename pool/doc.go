@@ -11,4 +11,18 @@
 // member is destroyed; a used member never returns to a pool, and the controller
 // refills the pool at its refill rate, recycles members older than their maximum age,
 // and reconciles its members with containerd after a restart.
+//
+// A container that adopts a member transparently (through the shim) keeps what it
+// asked for: eligibility compares every field of its OCI spec that runc fixes at
+// create with the member's (specRules, which a test keeps complete), and what can be
+// applied late is: the holder takes argv, environment and working directory, and the
+// member's processes move into a cgroup made at the container's own path with its
+// resources. Anything else starts the container cold, with a counted reason.
+//
+// Whoever can bind a member's control socket receives the workload, secrets and stdio
+// included; so the control directories are reachable by root and the holder's user
+// only, and the sender checks the listener's SO_PEERCRED (the member's holder pid, in
+// its cgroup) before it sends anything. The package reaches containerd through its
+// client and the snapshotter through the Snapshots interface, so its decisions are
+// unit-tested over fakes, without root.
 package pool

@@ -23,7 +23,6 @@ import (
 
 	"github.com/tidepool-dev/tidepool/binding"
 	"github.com/tidepool-dev/tidepool/pool/holder"
-	"github.com/tidepool-dev/tidepool/shim"
 )
 
 // Member is one pre-created container of a pool.
@@ -32,6 +31,10 @@ type Member struct {
 	pool      *Pool
 	created   time.Time
 	dir       string // control directory on the host
+	cgroup    string // where the member's processes live (runc's cgroupsPath)
+	holderUID uint32 // the image's user, which the holder runs as
+	holderGID uint32
+	movedTo   string // the adopting container's cgroup, once the member's processes moved there
 	snapKey   string // the tidepool snapshotter's key of its rootfs
 	env       []string
 	container containerd.Container
@@ -122,7 +125,7 @@ func (p *Pool) needMember() bool {
 }
 
 func (p *Pool) fill(ctx context.Context) {
-	m, err := p.create(ctx)
+	m, err := p.c.newMember(p, ctx)
 	p.mu.Lock()
 	p.starting--
 	if err == nil {
@@ -209,10 +212,11 @@ func (p *Pool) create(ctx context.Context) (_ *Member, retErr error) {
 			p.destroy(context.WithoutCancel(ctx), m)
 		}
 	}()
-	if err := os.Mkdir(m.dir, 0o777); err != nil {
+	// Only root and, once the image's user is known, the holder may enter the
+	// control directory: whoever can bind its socket receives the workload.
+	if err := os.Mkdir(m.dir, 0o700); err != nil {
 		return nil, err
 	}
-	os.Chmod(m.dir, 0o777) // the holder may run as any user of the image
 	image, err := cl.GetImage(ctx, p.t.Image)
 	if err != nil {
 		return nil, fmt.Errorf("pool image %s: %w", p.t.Image, err)
@@ -251,7 +255,7 @@ func (p *Pool) create(ctx context.Context) (_ *Member, retErr error) {
 		containerd.WithNewSnapshot(id, image, snapshots.WithLabels(map[string]string{
 			binding.LabelLateBind: "true", binding.LabelWorkdir: p.t.Workdir, binding.LabelOwner: p.t.Owner,
 		})),
-		containerd.WithRuntime(shim.RuntimeName, rtOpts),
+		containerd.WithRuntime(binding.RuntimeName, rtOpts),
 		containerd.WithNewSpec(specOpts...),
 		containerd.WithContainerLabels(map[string]string{
 			LabelPool: p.t.Name, LabelMember: id, LabelState: stateIdle,
@@ -264,6 +268,9 @@ func (p *Pool) create(ctx context.Context) (_ *Member, retErr error) {
 	m.container = ctr
 	if err := m.describe(ctx); err != nil {
 		return nil, err
+	}
+	if err := os.Chown(m.dir, int(m.holderUID), int(m.holderGID)); err != nil {
+		return nil, fmt.Errorf("member control directory: %w", err)
 	}
 	task, err := ctr.NewTask(ctx, cio.NullIO)
 	if err != nil {
@@ -306,8 +313,21 @@ func (m *Member) describe(ctx context.Context) error {
 	}
 	if spec.Process != nil {
 		m.env = spec.Process.Env
+		m.holderUID, m.holderGID = spec.Process.User.UID, spec.Process.User.GID
+	}
+	if spec.Linux != nil {
+		m.cgroup = spec.Linux.CgroupsPath
 	}
 	return nil
+}
+
+// holderPeer is who must be listening on the member's control socket.
+func (m *Member) holderPeer() holder.Peer {
+	cg := m.cgroup
+	if m.movedTo != "" {
+		cg = m.movedTo
+	}
+	return holder.Peer{Pid: int32(m.task.Pid()), Cgroup: cg}
 }
 
 // adopt takes over a claimed member a previous tidepoold left, so that its workload's
@@ -333,7 +353,8 @@ func (p *Pool) adopt(ctx context.Context, ctr containerd.Container, labels map[s
 // reattach rebuilds a member's record from its container and task.
 func (p *Pool) reattach(ctx context.Context, ctr containerd.Container, labels map[string]string) (*Member, error) {
 	created, _ := strconv.ParseInt(labels[LabelCreated], 10, 64)
-	m := &Member{id: ctr.ID(), pool: p, created: time.Unix(created, 0), dir: filepath.Join(p.c.cfg.StateDir, ctr.ID()), container: ctr}
+	m := &Member{id: ctr.ID(), pool: p, created: time.Unix(created, 0), dir: filepath.Join(p.c.cfg.StateDir, ctr.ID()), container: ctr,
+		movedTo: labels[LabelCgroup]}
 	task, err := ctr.Task(ctx, nil)
 	if err != nil {
 		return nil, fmt.Errorf("no task: %w", err)
@@ -351,12 +372,52 @@ func (p *Pool) discard(ctx context.Context, m *Member, reason string) {
 	p.destroy(ctx, m)
 }
 
+// pause and resume freeze and thaw a member: through runc, and the container's own
+// cgroup too once its processes moved there.
+func (m *Member) pause(ctx context.Context) error {
+	if m.movedTo != "" {
+		if err := m.pool.c.cgroups.Freeze(m.movedTo); err != nil {
+			return err
+		}
+	}
+	return m.task.Pause(ctx)
+}
+
+func (m *Member) resume(ctx context.Context) error {
+	if err := m.task.Resume(ctx); err != nil {
+		return err
+	}
+	if m.movedTo != "" {
+		return m.pool.c.cgroups.Thaw(m.movedTo)
+	}
+	return nil
+}
+
 // destroy removes a member: task, container, snapshot (its changes, if any, were
-// committed or are deliberately thrown away) and control directory.
+// committed or are deliberately thrown away), the container cgroup it was moved to,
+// and control directory.
 func (p *Pool) destroy(ctx context.Context, m *Member) {
 	ctx = context.WithoutCancel(ctx)
 	if m.task != nil {
-		killAndDelete(ctx, m.task)
+		killAndDelete(ctx, m.task, func() {
+			if m.movedTo != "" {
+				// A frozen cgroup holds the signal until it thaws.
+				p.c.cgroups.Signal(m.movedTo, syscall.SIGKILL)
+				p.c.cgroups.Thaw(m.movedTo)
+			}
+		})
+	}
+	if m.movedTo != "" {
+		var err error
+		for i := 0; i < 50; i++ { // the last exits may still be under way
+			if err = p.c.cgroups.Delete(m.movedTo); err == nil {
+				break
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+		if err != nil {
+			log.G(ctx).WithError(err).WithField("member", m.id).WithField("cgroup", m.movedTo).Warn("pools: cannot remove the container cgroup of a member")
+		}
 	}
 	if m.container != nil {
 		if err := m.container.Delete(ctx, containerd.WithSnapshotCleanup); err != nil && !errdefs.IsNotFound(err) {
@@ -368,10 +429,13 @@ func (p *Pool) destroy(ctx context.Context, m *Member) {
 
 // killAndDelete ends a task in any state. A frozen task is thawed after the kill so
 // the signal is delivered.
-func killAndDelete(ctx context.Context, task containerd.Task) {
+func killAndDelete(ctx context.Context, task containerd.Task, afterKill func()) {
 	wait, werr := task.Wait(ctx)
 	if err := task.Kill(ctx, syscall.SIGKILL, containerd.WithKillAll); err == nil {
 		task.Resume(ctx)
+		if afterKill != nil {
+			afterKill()
+		}
 		if werr == nil {
 			select {
 			case <-wait:

@@ -89,7 +89,6 @@ func (c *Controller) Run(ctx context.Context, spec RunSpec, rio RunIO) (RunResul
 	}
 	tClaimed := time.Since(start)
 	defer p.release()
-	res.Member = m.id
 
 	stdio, parent, err := pipes(rio.Stdin != nil)
 	if err != nil {
@@ -98,7 +97,7 @@ func (c *Controller) Run(ctx context.Context, spec RunSpec, rio RunIO) (RunResul
 	}
 	defer closeAll(parent)
 	wait := m.exited
-	err = holder.SendExec(filepath.Join(m.dir, holder.ControlName), holder.ExecRequest{
+	err = holder.SendExec(filepath.Join(m.dir, holder.ControlName), m.holderPeer(), holder.ExecRequest{
 		Args: spec.Args, Env: mergeEnv(m.env, spec.Env), Cwd: cwd, Fds: true,
 	}, stdio)
 	closeAll(stdio)
@@ -109,6 +108,8 @@ func (c *Controller) Run(ctx context.Context, spec RunSpec, rio RunIO) (RunResul
 		p.destroy(ctx, m)
 		return res, fmt.Errorf("run in member %s: %w", m.id, err)
 	}
+	// Only now is there a workload whose status the caller gets; before, an error.
+	res.Member = m.id
 	res.ClaimLatency = time.Since(start)
 	log.G(ctx).WithField("member", m.id).WithField("take_bind", tClaimed).WithField("total", res.ClaimLatency).Debug("pools: claimed")
 	c.metrics.claimSeconds.WithLabelValues(p.t.Name).Observe(res.ClaimLatency.Seconds())

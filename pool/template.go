@@ -6,7 +6,6 @@ import (
 	"time"
 
 	"github.com/tidepool-dev/tidepool/binding"
-	"github.com/tidepool-dev/tidepool/shim"
 )
 
 // Template describes one pool. The plugin package maps its TOML onto it.
@@ -80,7 +79,7 @@ func (t *Template) annotations(memberID string) map[string]string {
 		// last container goes, and a pool that drains would race a new member's
 		// create against that exit.
 		// (Not dev.tidepool.pool: that is how a container asks to adopt a member.)
-		shim.AnnotationRuntime: t.Runtime,
-		LabelMember:            memberID,
+		binding.AnnotationRuntime: t.Runtime,
+		LabelMember:               memberID,
 	}
 }

@@ -29,7 +29,7 @@ import (
 )
 
 // AnnotationPool asks for a warm member of the named tidepoold pool.
-const AnnotationPool = "dev.tidepool.pool"
+const AnnotationPool = binding.AnnotationPool
 
 // adoptedTask is a container whose task is a warm pool member: tidepoold re-keyed the
 // member's snapshot to the container's, and this shim drives the member through
@@ -114,7 +114,13 @@ func (t *adoptedTask) start(ctx context.Context) error {
 		return err
 	}
 	p := t.spec.Process
-	err = holder.SendExec(t.sock, holder.ExecRequest{Args: p.Args, Env: p.Env, Cwd: p.Cwd, Fds: true}, stdio)
+	// tidepoold moved the member's holder into this container's own cgroup at adopt;
+	// only that process may receive the workload.
+	peer := holder.Peer{Pid: int32(t.pid)}
+	if t.spec.Linux != nil {
+		peer.Cgroup = t.spec.Linux.CgroupsPath
+	}
+	err = holder.SendExec(t.sock, peer, holder.ExecRequest{Args: p.Args, Env: p.Env, Cwd: p.Cwd, Fds: true}, stdio)
 	for _, f := range stdio {
 		f.Close()
 	}

@@ -12,6 +12,8 @@ import (
 	"github.com/containerd/typeurl/v2"
 	"github.com/pelletier/go-toml/v2"
 	"google.golang.org/protobuf/types/known/anypb"
+
+	"github.com/tidepool-dev/tidepool/binding"
 )
 
 // DefaultConfigPath is read when neither the runtime options nor ConfigEnv name a
@@ -154,8 +156,8 @@ func (c *Config) RouteFor(annotations map[string]string) (string, Route, error) 
 	return name, r, nil
 }
 
-// AnnotationRuntime selects the route.
-const AnnotationRuntime = "dev.tidepool.runtime"
+// AnnotationRuntime selects the route (the name is shared with the pools: binding).
+const AnnotationRuntime = binding.AnnotationRuntime
 
 // LoadConfig finds the configuration: the ConfigPath, else the ConfigBody, of the
 // runtime options (ctr --runtime-config-path; CRI's runtime options table); else the

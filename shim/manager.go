@@ -20,8 +20,9 @@ import (
 	"github.com/tidepool-dev/tidepool/binding"
 )
 
-// RuntimeName is the runtime type containerd resolves to containerd-shim-tidepool-v1.
-const RuntimeName = "io.containerd.tidepool.v1"
+// RuntimeName is the runtime type containerd resolves to containerd-shim-tidepool-v1
+// (the name is shared with the pools: binding).
+const RuntimeName = binding.RuntimeName
 
 // routeFile records, in the bundle, which route a container took, so that delete (a
 // separate invocation, possibly after containerd restarted) goes the same way.

@@ -36,7 +36,26 @@ func (s *Snapshotter) Rekey(ctx context.Context, from, to string) error {
 	defer s.locks.Unlock(first)
 	s.locks.Lock(second)
 	defer s.locks.Unlock(second)
-	tctx, t, err := s.ms.TransactionContext(ctx, true)
+	if err := rekeyMeta(ctx, s.ms, from, to); err != nil {
+		return err
+	}
+	// A pin follows the root it keeps alive, not the key.
+	if _, info, err := s.get(ctx, to); err == nil {
+		if b, ok, _ := s.parseBound(info); ok && b.isBound() {
+			if err := s.forks.Pin(pinName(to), b.base); err != nil {
+				return err
+			}
+			s.forks.Unpin(pinName(from))
+		}
+	}
+	return nil
+}
+
+// rekeyMeta swaps the ids and labels of two active snapshots with one parent in the
+// metastore, in one transaction, keeping containerd's parent index (which Remove
+// consults) pointing at the right names.
+func rekeyMeta(ctx context.Context, ms *storage.MetaStore, from, to string) error {
+	tctx, t, err := ms.TransactionContext(ctx, true)
 	if err != nil {
 		return fmt.Errorf("rekey %s to %s: %w", from, to, err)
 	}
@@ -96,15 +115,6 @@ func (s *Snapshotter) Rekey(ctx context.Context, from, to string) error {
 	}
 	if err := t.Commit(); err != nil {
 		return fmt.Errorf("rekey %s to %s: %w", from, to, err)
-	}
-	// A pin follows the root it keeps alive, not the key.
-	if _, info, err := s.get(ctx, to); err == nil {
-		if b, ok, _ := s.parseBound(info); ok && b.isBound() {
-			if err := s.forks.Pin(pinName(to), b.base); err != nil {
-				return err
-			}
-			s.forks.Unpin(pinName(from))
-		}
 	}
 	return nil
 }

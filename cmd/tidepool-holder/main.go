@@ -9,7 +9,6 @@
 package main
 
 import (
-	"encoding/json"
 	"errors"
 	"fmt"
 	"os"
@@ -44,13 +43,17 @@ func receive(dir string) (holder.ExecRequest, []int, error) {
 	if err != nil {
 		return holder.ExecRequest{}, nil, err
 	}
-	if err := unix.Bind(lfd, &unix.SockaddrUnix{Name: sock}); err != nil {
+	// The socket is for tidepoold (root) alone; the directory is 0700 as well.
+	old := unix.Umask(0o077)
+	err = unix.Bind(lfd, &unix.SockaddrUnix{Name: sock})
+	unix.Umask(old)
+	if err != nil {
 		return holder.ExecRequest{}, nil, fmt.Errorf("bind %s: %w", sock, err)
 	}
 	if err := unix.Listen(lfd, 4); err != nil {
 		return holder.ExecRequest{}, nil, err
 	}
-	if err := os.WriteFile(filepath.Join(dir, holder.ReadyName), nil, 0o644); err != nil {
+	if err := os.WriteFile(filepath.Join(dir, holder.ReadyName), nil, 0o600); err != nil {
 		return holder.ExecRequest{}, nil, err
 	}
 	for {
@@ -61,7 +64,7 @@ func receive(dir string) (holder.ExecRequest, []int, error) {
 		if err != nil {
 			return holder.ExecRequest{}, nil, fmt.Errorf("accept: %w", err)
 		}
-		req, fds, err := read(cfd)
+		req, fds, err := holder.Receive(cfd)
 		unix.Close(cfd)
 		if err != nil {
 			// A client that went away mid-message (a daemon restart) is not the end.
@@ -73,52 +76,6 @@ func receive(dir string) (holder.ExecRequest, []int, error) {
 		return req, fds, nil
 	}
 }
-
-// read takes one length-prefixed request and the descriptors sent with it.
-func read(fd int) (holder.ExecRequest, []int, error) {
-	var req holder.ExecRequest
-	buf := make([]byte, 1<<20+4)
-	oob := make([]byte, unix.CmsgSpace(3*4))
-	got := 0
-	var fds []int
-	for got < 4 || got < 4+msgLen(buf) {
-		n, oobn, _, _, err := unix.Recvmsg(fd, buf[got:], oob, unix.MSG_CMSG_CLOEXEC)
-		if errors.Is(err, unix.EINTR) {
-			continue
-		}
-		if err != nil {
-			return req, nil, fmt.Errorf("read request: %w", err)
-		}
-		if oobn > 0 {
-			msgs, err := unix.ParseSocketControlMessage(oob[:oobn])
-			if err != nil {
-				return req, nil, err
-			}
-			for _, m := range msgs {
-				rights, err := unix.ParseUnixRights(&m)
-				if err == nil {
-					fds = append(fds, rights...)
-				}
-			}
-		}
-		if n == 0 {
-			return req, nil, errors.New("request cut short")
-		}
-		got += n
-		if got >= 4 && msgLen(buf) > len(buf)-4 {
-			return req, nil, errors.New("request too large")
-		}
-	}
-	if err := json.Unmarshal(buf[4:4+msgLen(buf)], &req); err != nil {
-		return req, nil, fmt.Errorf("decode request: %w", err)
-	}
-	if req.Fds && len(fds) != 3 {
-		return req, nil, fmt.Errorf("request carries %d descriptors, want 3", len(fds))
-	}
-	return req, fds, nil
-}
-
-func msgLen(b []byte) int { return int(b[0])<<24 | int(b[1])<<16 | int(b[2])<<8 | int(b[3]) }
 
 // become turns this process into the workload. It returns only on failure, with the
 // exit status a shell would give: 127 not found, 126 not executable.

@@ -23,6 +23,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"google.golang.org/grpc"
 
+	"github.com/tidepool-dev/tidepool/internal/peercred"
 	"github.com/tidepool-dev/tidepool/localapi/apiserver"
 	"github.com/tidepool-dev/tidepool/plugin"
 	"github.com/tidepool-dev/tidepool/pool"
@@ -180,6 +181,11 @@ func listenUnix(addr string) (net.Listener, error) {
 	if err := os.MkdirAll(filepath.Dir(addr), 0o700); err != nil {
 		return nil, fmt.Errorf("create socket directory: %w", err)
 	}
+	// Whoever can replace the socket receives what containerd, the shim and the CLI
+	// send (container specs with their environment, workloads).
+	if err := peercred.CheckDir(filepath.Dir(addr)); err != nil {
+		return nil, fmt.Errorf("listen on %s: %w", addr, err)
+	}
 	if conn, err := net.DialTimeout("unix", addr, time.Second); err == nil {
 		conn.Close()
 		return nil, fmt.Errorf("%s is in use by another process (is tidepoold already running?)", addr)
@@ -191,11 +197,13 @@ func listenUnix(addr string) (net.Listener, error) {
 	if err != nil {
 		return nil, fmt.Errorf("listen on %s: %w", addr, err)
 	}
-	if err := os.Chmod(addr, 0o660); err != nil {
+	if err := os.Chmod(addr, 0o600); err != nil {
 		l.Close()
 		return nil, err
 	}
-	return l, nil
+	return peercred.Listener(l, func(err error) {
+		log.L.WithError(err).WithField("address", addr).Warn("refused a connection")
+	}), nil
 }
 
 // StateFileName is written into the root while the daemon runs, so the CLI can find
