@@ -129,8 +129,8 @@ func key(spec Spec) (string, error) {
 	return hex.EncodeToString(h.Sum(nil)), nil
 }
 
-// Cached returns the archive of spec under dir, building it the first time,
-// named by its key.
+// Cached returns the archive of spec under the directory dir, building it the
+// first time, named by its key.
 func Cached(spec Spec, dir string) (Archive, error) {
 	key, err := key(spec)
 	if err != nil {
@@ -147,16 +147,14 @@ func Cached(spec Spec, dir string) (Archive, error) {
 	return Archive{Path: p}, err
 }
 
-// cacheEntry returns dir/name, first making it with create if it is missing.
+// cacheEntry returns dir/name, first making it with create if it is missing
+// (dir must exist).
 // create writes a file or directory at a temporary path that is then renamed into
 // place, so nobody sees a half-made entry and concurrent makers are safe.
 func cacheEntry(dir, name string, create func(tmp string) error) (string, error) {
 	final := filepath.Join(dir, name)
 	if _, err := os.Stat(final); err == nil {
 		return final, nil
-	}
-	if err := os.MkdirAll(dir, 0o755); err != nil {
-		return "", fmt.Errorf("cache %s: %w", name, err)
 	}
 	tmp, err := os.MkdirTemp(dir, "."+name+".tmp-")
 	if err != nil {

@@ -94,10 +94,10 @@ func hostTree(t *testing.T) string {
 func TestBuildModesOwnersAndLinks(t *testing.T) {
 	host := hostTree(t)
 	root, cfg := unpack(t, Spec{Layers: []Layer{{
-		File("/etc/motd", []byte("hello\n"), 0), File("/usr/bin/su", []byte("suid"), 0o755|fs.ModeSetuid),
+		File("/etc/motd", []byte("hello\n"), 0o644), File("/usr/bin/su", []byte("suid"), 0o755|fs.ModeSetuid),
 		Dir("/tmp", 0o777|fs.ModeSticky), Symlink("/bin/sh", "busybox"),
 		HostFile("/opt/a.txt", filepath.Join(host, "sub", "link")).Owner(1000, 1001), HostFile("/srv/tree", host).Owner(7, 8),
-	}, {File("/etc/motd", []byte("bye\n"), 0o600)}}, Config: ocispec.ImageConfig{Cmd: []string{"sh"}}})
+	}, {File("/etc/motd", []byte("bye\n"), 0o600), File("/../../var/x", nil, 0o644)}}, Config: ocispec.ImageConfig{Cmd: []string{"sh"}}})
 
 	if c := cfg.Config; cfg.OS != "linux" || c.WorkingDir != "/" || strings.Join(c.Env, " ") != DefaultPath || c.Cmd[0] != "sh" {
 		t.Fatalf("config: %+v", cfg)
@@ -107,6 +107,7 @@ func TestBuildModesOwnersAndLinks(t *testing.T) {
 		"usr/bin/su": "urwxr-xr-x 0:0 2000", "tmp": "dtrwxrwxrwx 0:0 2000", "bin/sh": "Lrwxrwxrwx 0:0 2000 busybox",
 		"opt/a.txt": "-rw-r----- 1000:1001 2000", "srv/tree": "drwx--x--x 7:8 2000", "srv/tree/a.txt": "-rw-r----- 7:8 2000",
 		"srv/tree/sub": "drwxr-x--- 7:8 2000", "srv/tree/sub/link": "Lrwxrwxrwx 7:8 2000 ../a.txt",
+		"var/x": "-rw-r--r-- 0:0 2000", // a path that climbs with .. stays inside the image
 	} {
 		if got := describe(root, p); got != want {
 			t.Errorf("%s: %s, want %s", p, got, want)
@@ -116,20 +117,6 @@ func TestBuildModesOwnersAndLinks(t *testing.T) {
 		if got, err := os.ReadFile(filepath.Join(root, p)); err != nil || string(got) != want {
 			t.Errorf("%s holds %q (%v), want %q", p, got, err, want)
 		}
-	}
-}
-
-func TestBuildIsDeterministic(t *testing.T) {
-	needRoot(t)
-	spec := Spec{Layers: []Layer{{HostFile("/data", hostTree(t)), File("/b", []byte("b"), 0)}, {File("/c", []byte("c"), 0)}}}
-	var a1, a2 bytes.Buffer
-	d1, err := Build(spec, &a1)
-	must(t, err)
-	spec.Layers[0][0], spec.Layers[0][1] = spec.Layers[0][1], spec.Layers[0][0] // order does not matter
-	d2, err := Build(spec, &a2)
-	must(t, err)
-	if !bytes.Equal(a1.Bytes(), a2.Bytes()) || d1.Digest != d2.Digest {
-		t.Fatalf("two builds of one spec differ: %s vs %s", d1.Digest, d2.Digest)
 	}
 }
 
@@ -149,17 +136,12 @@ func TestBuildRefusesBadSpecs(t *testing.T) {
 			t.Errorf("%s: Build succeeded", name)
 		}
 	}
-	// A path that climbs with .. stays inside the image.
-	root, _ := unpack(t, Spec{Layers: []Layer{{File("/../../etc/x", []byte("x"), 0)}}})
-	if got := describe(root, "etc/x"); got != "-rw-r--r-- 0:0 2000" {
-		t.Fatalf("etc/x: %s", got)
-	}
 }
 
 func TestCachedReusesAndInvalidates(t *testing.T) {
 	needRoot(t)
 	host, cache := hostTree(t), t.TempDir()
-	spec := Spec{Layers: []Layer{{HostFile("/data", host)}}}
+	spec := Spec{Layers: []Layer{{HostFile("/data", host), File("/b", []byte("b"), 0)}}}
 	a1, err := Cached(spec, cache)
 	must(t, err)
 	st1, err := os.Stat(a1.Path)
@@ -169,11 +151,19 @@ func TestCachedReusesAndInvalidates(t *testing.T) {
 	if st2, err := os.Stat(a2.Path); err != nil || !os.SameFile(st1, st2) {
 		t.Fatalf("second Cached call rebuilt: %s then %s (%v)", a1.Path, a2.Path, err)
 	}
+	// Entry order changes the key, not the image: a new archive, byte for byte the same.
+	a3, err := Cached(Spec{Layers: []Layer{{spec.Layers[0][1], spec.Layers[0][0]}}}, cache)
+	must(t, err)
+	b1, err1 := os.ReadFile(a1.Path)
+	b3, err3 := os.ReadFile(a3.Path)
+	if err := errors.Join(err1, err3); err != nil || a3.Path == a1.Path || !bytes.Equal(b1, b3) {
+		t.Fatalf("reordered entries: %s and %s differ (%v)", a1.Path, a3.Path, err)
+	}
 	// Rewriting a host file gives a new key and a new archive.
 	must(t, os.WriteFile(filepath.Join(host, "a.txt"), []byte("beta!"), 0o640))
 	future := time.Now().Add(time.Hour)
 	must(t, os.Chtimes(filepath.Join(host, "a.txt"), future, future))
-	if a3, err := Cached(spec, cache); err != nil || a3.Path == a1.Path {
+	if a4, err := Cached(spec, cache); err != nil || a4.Path == a1.Path {
 		t.Fatalf("a changed host file reused the old archive: %v", err)
 	}
 	if leftovers, _ := filepath.Glob(filepath.Join(cache, ".*")); len(leftovers) != 0 {
@@ -181,24 +171,16 @@ func TestCachedReusesAndInvalidates(t *testing.T) {
 	}
 }
 
-func TestBusyboxImage(t *testing.T) {
-	spec, err := Busybox()
-	if errors.Is(err, ErrHostMissing) {
-		t.Skipf("skipping: %v", err)
-	}
-	must(t, err)
-	root, _ := unpack(t, spec)
+// Every link the Busybox image makes must name an applet of the host's busybox
+// (the image's runtime behaviour is checked by integration/harness TestRunBusybox).
+func TestBusyboxAppletsExist(t *testing.T) {
 	list, err := exec.Command(busyboxHostPath, "--list").Output()
-	must(t, err)
-	for _, a := range BusyboxApplets { // each is a link, and an applet of this busybox
-		if got := describe(root, "bin/"+a); got != "Lrwxrwxrwx 0:0 2000 busybox" || !strings.Contains("\n"+string(list), "\n"+a+"\n") {
-			t.Errorf("applet %s: %s", a, got)
-		}
+	if err != nil {
+		t.Skipf("skipping: busybox-static: %v", err)
 	}
-	for p, want := range map[string]string{"tmp": "dtrwxrwxrwx 0:0 2000", "bin/busybox": "-rwxr-xr-x 0:0 2000",
-		"workspace": "drwxr-xr-x 1000:1000 2000", "home/agent": "drwxr-xr-x 1000:1000 2000"} {
-		if got := describe(root, p); got != want {
-			t.Errorf("%s: %s, want %s", p, got, want)
+	for _, a := range BusyboxApplets {
+		if !strings.Contains("\n"+string(list), "\n"+a+"\n") {
+			t.Errorf("%s is not an applet of %s", a, busyboxHostPath)
 		}
 	}
 }
@@ -206,11 +188,13 @@ func TestBusyboxImage(t *testing.T) {
 func TestPauseExitsZeroOnSIGTERM(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
-	bin, err := pauseBinary(ctx, t.TempDir())
+	spec, err := Pause(ctx)
 	if errors.Is(err, ErrHostMissing) {
 		t.Skipf("skipping: %v", err)
 	}
 	must(t, err)
+	bin := filepath.Join(t.TempDir(), "pause")
+	must(t, os.WriteFile(bin, spec.Layers[0][0].Data, 0o755))
 	for _, sig := range []syscall.Signal{syscall.SIGTERM, syscall.SIGINT} {
 		// A Go program's runtime catches every signal from its first instant
 		// and applies the default action until signal.Notify runs, so a signal
@@ -228,8 +212,5 @@ func TestPauseExitsZeroOnSIGTERM(t *testing.T) {
 		if err != nil {
 			t.Fatalf("pause after %v: %v", sig, err)
 		}
-	}
-	if out, err := exec.Command("file", bin).Output(); err == nil && !strings.Contains(string(out), "statically linked") {
-		t.Fatalf("pause is not static: %s", out)
 	}
 }

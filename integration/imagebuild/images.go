@@ -49,13 +49,14 @@ var BusyboxApplets = []string{
 // busyboxHostPath is where Debian's busybox-static installs its binary.
 const busyboxHostPath = "/bin/busybox"
 
-// busyboxLayer is the base layer of the Busybox and Node images: a static
-// busybox with applet symlinks in /bin, /etc/passwd and /etc/group with root and
+// Busybox is a one-layer image, also the base layer of Node: a static busybox
+// with applet symlinks in /bin, /etc/passwd and /etc/group with root and
 // "agent" (1000:1000), /tmp (1777), and /workspace and /app owned by agent.
-func busyboxLayer() (Layer, error) {
+// Its default command is sh.
+func Busybox() (Spec, error) {
 	fi, err := os.Stat(busyboxHostPath)
 	if err != nil || !fi.Mode().IsRegular() {
-		return nil, fmt.Errorf("%s not found (install busybox-static): %w", busyboxHostPath, ErrHostMissing)
+		return Spec{}, fmt.Errorf("%s not found (install busybox-static): %w", busyboxHostPath, ErrHostMissing)
 	}
 	l := Layer{
 		HostFile("/bin/busybox", busyboxHostPath),
@@ -72,15 +73,6 @@ func busyboxLayer() (Layer, error) {
 	}
 	for _, a := range BusyboxApplets {
 		l = append(l, Symlink("/bin/"+a, "busybox"))
-	}
-	return l, nil
-}
-
-// Busybox is a one-layer image with busyboxLayer; its default command is sh.
-func Busybox() (Spec, error) {
-	l, err := busyboxLayer()
-	if err != nil {
-		return Spec{}, err
 	}
 	return Spec{Layers: []Layer{l}, Config: ocispec.ImageConfig{Cmd: []string{"sh"}}}, nil
 }
@@ -107,7 +99,7 @@ console.log(JSON.stringify({lodash: _.VERSION, ms: ms('2h'), debug: typeof debug
 // a node_modules tree installed from the npm registry (cached under
 // <repo>/.cache/npm). Its default command is `node /app/index.js`.
 func Node(ctx context.Context) (Spec, error) {
-	base, err := busyboxLayer()
+	base, err := Busybox()
 	if err != nil {
 		return Spec{}, err
 	}
@@ -135,7 +127,7 @@ func Node(ctx context.Context) (Spec, error) {
 		l = append(l, HostFile(lib, lib))
 	}
 	return Spec{
-		Layers: []Layer{base, l},
+		Layers: []Layer{base.Layers[0], l},
 		Config: ocispec.ImageConfig{Cmd: []string{"node", "/app/index.js"}, WorkingDir: "/app"},
 	}, nil
 }
@@ -205,42 +197,31 @@ func npmTree(ctx context.Context) (string, error) {
 // Pause is an image holding only /pause, a static Go binary built from
 // integration/imagebuild/pause that blocks, reaps children and exits 0 on
 // SIGTERM or SIGINT: the sandbox image for CRI tests. Go builds are
-// reproducible, so rebuilding it each time keeps the image's cache key.
+// reproducible, so building it again each time keeps the image's cache key.
 func Pause(ctx context.Context) (Spec, error) {
+	root, err := testenv.RepoRoot()
+	if err != nil {
+		return Spec{}, err
+	}
+	goTool, err := exec.LookPath("go")
+	if err != nil {
+		return Spec{}, fmt.Errorf("go toolchain: %v: %w", err, ErrHostMissing)
+	}
 	dir, err := os.MkdirTemp("", "imagebuild-pause-")
 	if err != nil {
 		return Spec{}, fmt.Errorf("pause image: %w", err)
 	}
 	defer os.RemoveAll(dir)
-	bin, err := pauseBinary(ctx, dir)
-	if err != nil {
-		return Spec{}, err
+	cmd := exec.CommandContext(ctx, goTool, "build", "-trimpath", "-ldflags=-s -w", "-o", filepath.Join(dir, "pause"), ".")
+	cmd.Dir, cmd.Env = filepath.Join(root, "integration", "imagebuild", "pause"), append(os.Environ(), "CGO_ENABLED=0")
+	if msg, err := cmd.CombinedOutput(); err != nil {
+		return Spec{}, fmt.Errorf("build pause: %w: %s", err, bytes.TrimSpace(msg))
 	}
-	data, err := os.ReadFile(bin)
+	data, err := os.ReadFile(filepath.Join(dir, "pause"))
 	if err != nil {
 		return Spec{}, fmt.Errorf("pause image: %w", err)
 	}
 	return Spec{Layers: []Layer{{File("/pause", data, 0o755)}}, Config: ocispec.ImageConfig{Entrypoint: []string{"/pause"}}}, nil
-}
-
-// pauseBinary builds the pause program, static (CGO_ENABLED=0), into dir and
-// returns its path.
-func pauseBinary(ctx context.Context, dir string) (string, error) {
-	root, err := testenv.RepoRoot()
-	if err != nil {
-		return "", err
-	}
-	goTool, err := exec.LookPath("go")
-	if err != nil {
-		return "", fmt.Errorf("go toolchain: %v: %w", err, ErrHostMissing)
-	}
-	out := filepath.Join(dir, "pause")
-	cmd := exec.CommandContext(ctx, goTool, "build", "-trimpath", "-ldflags=-s -w", "-o", out, ".")
-	cmd.Dir, cmd.Env = filepath.Join(root, "integration", "imagebuild", "pause"), append(os.Environ(), "CGO_ENABLED=0")
-	if msg, err := cmd.CombinedOutput(); err != nil {
-		return "", fmt.Errorf("build pause: %w: %s", err, bytes.TrimSpace(msg))
-	}
-	return out, nil
 }
 
 // BusyboxArchive returns the cached archive of Busybox, building it if needed.

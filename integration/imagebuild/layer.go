@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/containerd/containerd/v2/pkg/archive"
+	continuityfs "github.com/containerd/continuity/fs"
 )
 
 // epoch is the modification time of every entry, so builds are reproducible.
@@ -28,7 +29,7 @@ func writeLayer(ctx context.Context, w io.Writer, l Layer) error {
 	}
 	defer os.RemoveAll(tmp)
 	empty, tree := filepath.Join(tmp, "empty"), filepath.Join(tmp, "tree")
-	implied := Entry{Kind: KindDir}
+	implied := Dir("", 0o755)
 	if err := errors.Join(os.Mkdir(empty, 0o755), implied.place(tree, true)); err != nil {
 		return err
 	}
@@ -70,35 +71,29 @@ func (e Entry) place(p string, implied bool) error {
 			}
 			err = nil
 		}
-		return errors.Join(err, own(p, e.UID, e.GID, e.Mode, 0o755))
+		return errors.Join(err, own(p, e.UID, e.GID, e.Mode))
 	case KindFile:
-		return errors.Join(os.WriteFile(p, e.Data, 0o600), own(p, e.UID, e.GID, e.Mode, 0o644))
-	case KindSymlink:
-		if e.Target == "" {
-			return errors.New("symlink has no target")
+		if e.Source != "" { // a file of a host copy
+			return errors.Join(continuityfs.CopyFile(p, e.Source), own(p, e.UID, e.GID, e.Mode))
 		}
-		return errors.Join(os.Symlink(e.Target, p), own(p, e.UID, e.GID, fs.ModeSymlink, 0))
-	case KindHost:
+		return errors.Join(os.WriteFile(p, e.Data, 0o600), own(p, e.UID, e.GID, e.Mode))
+	case KindSymlink:
+		return errors.Join(os.Symlink(e.Target, p), own(p, e.UID, e.GID, fs.ModeSymlink))
+	case KindHost: // each file, directory and symlink as an explicit entry
 		return walkHost(e.Source, func(s, rel string, fi fs.FileInfo) error {
-			dst := filepath.Join(p, rel)
+			c := Entry{Kind: KindDir, Mode: fi.Mode(), UID: e.UID, GID: e.GID}
 			var err error
 			switch fi.Mode().Type() {
-			case fs.ModeDir:
-				err = os.Mkdir(dst, 0o700)
-				if rel == "." && errors.Is(err, fs.ErrExist) { // p was an implied parent
-					err = nil
-				}
 			case 0:
-				err = copyFile(dst, s)
+				c.Kind, c.Source = KindFile, s
 			case fs.ModeSymlink:
-				var target string
-				if target, err = os.Readlink(s); err == nil {
-					err = os.Symlink(target, dst)
-				}
+				c.Kind = KindSymlink
+				c.Target, err = os.Readlink(s)
+			case fs.ModeDir:
 			default:
-				err = fmt.Errorf("%s: unsupported file type %v", s, fi.Mode().Type())
+				return fmt.Errorf("%s: unsupported file type %v", s, fi.Mode().Type())
 			}
-			return errors.Join(err, own(dst, e.UID, e.GID, fi.Mode(), 0))
+			return errors.Join(err, c.place(filepath.Join(p, rel), false))
 		})
 	}
 	return fmt.Errorf("unknown entry kind %d", e.Kind)
@@ -125,28 +120,11 @@ func walkHost(src string, fn func(s, rel string, fi fs.FileInfo) error) error {
 	})
 }
 
-// own gives p its owner, then its mode (or def when mode has no permission
-// bits): permissions and setuid, setgid and sticky bits; chown clears setuid.
-func own(p string, uid, gid int, mode, def fs.FileMode) error {
+// own gives p its owner, then its mode: permissions and setuid, setgid and
+// sticky bits (in that order: chown clears setuid).
+func own(p string, uid, gid int, mode fs.FileMode) error {
 	if err := os.Lchown(p, uid, gid); err != nil || mode&fs.ModeSymlink != 0 {
 		return err
 	}
-	if mode.Perm() == 0 {
-		mode = def
-	}
 	return os.Chmod(p, mode&(fs.ModePerm|fs.ModeSetuid|fs.ModeSetgid|fs.ModeSticky))
-}
-
-func copyFile(dst, src string) error {
-	in, err := os.Open(src)
-	if err != nil {
-		return err
-	}
-	defer in.Close()
-	out, err := os.OpenFile(dst, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o600)
-	if err != nil {
-		return err
-	}
-	_, err = io.Copy(out, in)
-	return errors.Join(err, out.Close())
 }

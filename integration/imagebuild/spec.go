@@ -2,19 +2,16 @@
 // without docker or a registry: an image is a list of layers, a layer a list of
 // entries (files, directories, symlinks, copies of host files and trees). Build
 // writes an OCI image layout archive that `ctr images import` accepts; Cached
-// keeps archives under <repo>/.cache/images.
+// keeps archives under <repo>/.cache/images. Ready-made: Busybox, Node, Pause.
 //
-// Only laying a layer out on disk is ours. The rest is containerd's own code:
-// archive.WriteDiff (what turns a snapshot into a layer) writes each layer tar,
-// a local content store holds the blobs, and images/archive.Export (the code
-// behind `ctr images export`) writes the archive. We chose containerd over
-// go-containerregistry: it is already a dependency, its importer reads these
-// archives back in every test, and go-containerregistry writes an OCI layout
-// only as a directory (a tar is its docker format, google/go-containerregistry#1879).
-//
+// Only laying a layer out on disk is ours; containerd's own code writes the
+// layer tars (archive.WriteDiff, as for a snapshot), holds the blobs (a local
+// content store) and writes the archive (images/archive.Export, as `ctr images
+// export`). We chose it over go-containerregistry: it is already a dependency,
+// its importer reads these archives in every test, and go-containerregistry
+// writes an OCI layout only as a directory (google/go-containerregistry#1879).
 // Output is deterministic (fixed mtimes, root ownership unless asked, sorted
-// entries, no host metadata), so one Spec always gives one manifest digest.
-// Ready-made images: Busybox, Node and Pause (images.go).
+// entries, no host metadata): one Spec always gives one manifest digest.
 package imagebuild
 
 import (
@@ -42,11 +39,10 @@ type Entry struct {
 	Data []byte // content of a KindFile
 	// Target is the link target of a KindSymlink, stored as given.
 	Target string
-	// Source is the host path a KindHost copies.
+	// Source is the host path a KindHost copies (or, within a copy, a file's).
 	Source string
 	// Mode holds the permission bits plus fs.ModeSetuid, fs.ModeSetgid and
-	// fs.ModeSticky of a KindFile or KindDir; zero means 0644 or 0755. Host
-	// copies keep the host's permissions.
+	// fs.ModeSticky of a KindFile or KindDir; host copies keep the host's.
 	Mode fs.FileMode
 	// UID and GID own the entry (for a KindHost, everything it copies).
 	UID, GID int
