@@ -1,6 +1,7 @@
 package imagebuild
 
 import (
+	"cmp"
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
@@ -46,9 +47,7 @@ func Build(spec Spec, w io.Writer) (ocispec.Descriptor, error) {
 	if len(image.Config.Env) == 0 {
 		image.Config.Env = []string{DefaultPath}
 	}
-	if image.Config.WorkingDir == "" {
-		image.Config.WorkingDir = "/"
-	}
+	image.Config.WorkingDir = cmp.Or(image.Config.WorkingDir, "/")
 	for i, l := range spec.Layers {
 		desc, err := store(ctx, cs, ocispec.MediaTypeImageLayer, l)
 		if err != nil {
@@ -147,9 +146,8 @@ func Cached(spec Spec, dir string) (Archive, error) {
 	return Archive{Path: p}, err
 }
 
-// cacheEntry returns dir/name, first making it with create if it is missing
-// (dir must exist).
-// create writes a file or directory at a temporary path that is then renamed into
+// cacheEntry returns dir/name (dir exists), first making it if missing: create
+// writes a file or directory at a temporary path that is then renamed into
 // place, so nobody sees a half-made entry and concurrent makers are safe.
 func cacheEntry(dir, name string, create func(tmp string) error) (string, error) {
 	final := filepath.Join(dir, name)

@@ -38,6 +38,14 @@ const agentID = 1000
 // busybox-static package, node, npm, the go toolchain): tests skip on it.
 var ErrHostMissing = errors.New("host prerequisite missing")
 
+// hostMissing marks the failure to start a host tool that is not installed as ErrHostMissing.
+func hostMissing(err error) error {
+	if errors.Is(err, exec.ErrNotFound) {
+		return fmt.Errorf("%w: %w", err, ErrHostMissing)
+	}
+	return err
+}
+
 // BusyboxApplets are the commands the Busybox image links to /bin/busybox.
 var BusyboxApplets = []string{
 	"sh", "ls", "cat", "echo", "sleep", "id", "mkdir", "rm", "rmdir", "mv", "cp", "test", "[",
@@ -54,9 +62,9 @@ const busyboxHostPath = "/bin/busybox"
 // "agent" (1000:1000), /tmp (1777), and /workspace and /app owned by agent.
 // Its default command is sh.
 func Busybox() (Spec, error) {
-	fi, err := os.Stat(busyboxHostPath)
-	if err != nil || !fi.Mode().IsRegular() {
-		return Spec{}, fmt.Errorf("%s not found (install busybox-static): %w", busyboxHostPath, ErrHostMissing)
+	list, err := exec.Command(busyboxHostPath, "--list").Output()
+	if err != nil {
+		return Spec{}, fmt.Errorf("%s --list: %v (install busybox-static): %w", busyboxHostPath, err, ErrHostMissing)
 	}
 	l := Layer{
 		HostFile("/bin/busybox", busyboxHostPath),
@@ -72,6 +80,9 @@ func Busybox() (Spec, error) {
 		Dir("/dev", 0o755),
 	}
 	for _, a := range BusyboxApplets {
+		if !slices.Contains(strings.Fields(string(list)), a) {
+			return Spec{}, fmt.Errorf("%s has no applet %q", busyboxHostPath, a)
+		}
 		l = append(l, Symlink("/bin/"+a, "busybox"))
 	}
 	return Spec{Layers: []Layer{l}, Config: ocispec.ImageConfig{Cmd: []string{"sh"}}}, nil
@@ -137,13 +148,9 @@ func Node(ctx context.Context) (Spec, error) {
 // "name => /path (addr)", "/loader (addr)", and entries without a file (the
 // vDSO) that need nothing copied.
 func sharedLibraries(ctx context.Context, bin string) ([]string, error) {
-	ldd, err := exec.LookPath("ldd")
+	out, err := exec.CommandContext(ctx, "ldd", bin).Output()
 	if err != nil {
-		return nil, fmt.Errorf("ldd: %v: %w", err, ErrHostMissing)
-	}
-	out, err := exec.CommandContext(ctx, ldd, bin).Output()
-	if err != nil {
-		return nil, fmt.Errorf("ldd %s: %w", bin, err)
+		return nil, fmt.Errorf("ldd %s: %w", bin, hostMissing(err))
 	}
 	var libs []string
 	for _, line := range strings.Split(string(out), "\n") {
@@ -165,10 +172,9 @@ func sharedLibraries(ctx context.Context, bin string) ([]string, error) {
 // installed node_modules of NodePackages, running npm install once per package
 // set and keeping the result under the cache.
 func npmTree(ctx context.Context) (string, error) {
-	names := slices.Sorted(maps.Keys(NodePackages))
-	deps := make([]string, len(names))
-	for i, n := range names {
-		deps[i] = fmt.Sprintf("    %q: %q", n, NodePackages[n])
+	var deps []string
+	for _, n := range slices.Sorted(maps.Keys(NodePackages)) {
+		deps = append(deps, fmt.Sprintf("    %q: %q", n, NodePackages[n]))
 	}
 	pkg := "{\n  \"name\": \"tidepool-test-app\",\n  \"version\": \"1.0.0\",\n  \"private\": true,\n" +
 		"  \"dependencies\": {\n" + strings.Join(deps, ",\n") + "\n  }\n}\n"
@@ -178,17 +184,13 @@ func npmTree(ctx context.Context) (string, error) {
 		return "", err
 	}
 	return cacheEntry(cache, "app-"+hex.EncodeToString(sum[:8]), func(dir string) error {
-		npm, err := exec.LookPath("npm")
-		if err != nil {
-			return fmt.Errorf("npm: %v: %w", err, ErrHostMissing)
-		}
 		if err := errors.Join(os.Mkdir(dir, 0o755), os.WriteFile(filepath.Join(dir, "package.json"), []byte(pkg), 0o644)); err != nil {
 			return err
 		}
-		cmd := exec.CommandContext(ctx, npm, "install", "--no-audit", "--no-fund", "--ignore-scripts", "--cache", filepath.Join(cache, "_npm-cache"))
+		cmd := exec.CommandContext(ctx, "npm", "install", "--no-audit", "--no-fund", "--ignore-scripts", "--cache", filepath.Join(cache, "_npm-cache"))
 		cmd.Dir = dir
 		if out, err := cmd.CombinedOutput(); err != nil {
-			return fmt.Errorf("npm install: %w: %s", err, bytes.TrimSpace(out))
+			return fmt.Errorf("npm install: %w: %s", hostMissing(err), bytes.TrimSpace(out))
 		}
 		return nil
 	})
@@ -199,23 +201,15 @@ func npmTree(ctx context.Context) (string, error) {
 // SIGTERM or SIGINT: the sandbox image for CRI tests. Go builds are
 // reproducible, so building it again each time keeps the image's cache key.
 func Pause(ctx context.Context) (Spec, error) {
-	root, err := testenv.RepoRoot()
-	if err != nil {
-		return Spec{}, err
-	}
-	goTool, err := exec.LookPath("go")
-	if err != nil {
-		return Spec{}, fmt.Errorf("go toolchain: %v: %w", err, ErrHostMissing)
-	}
 	dir, err := os.MkdirTemp("", "imagebuild-pause-")
 	if err != nil {
 		return Spec{}, fmt.Errorf("pause image: %w", err)
 	}
 	defer os.RemoveAll(dir)
-	cmd := exec.CommandContext(ctx, goTool, "build", "-trimpath", "-ldflags=-s -w", "-o", filepath.Join(dir, "pause"), ".")
-	cmd.Dir, cmd.Env = filepath.Join(root, "integration", "imagebuild", "pause"), append(os.Environ(), "CGO_ENABLED=0")
+	cmd := exec.CommandContext(ctx, "go", "build", "-trimpath", "-ldflags=-s -w", "-o", filepath.Join(dir, "pause"), testenv.ModulePath+"/integration/imagebuild/pause")
+	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
 	if msg, err := cmd.CombinedOutput(); err != nil {
-		return Spec{}, fmt.Errorf("build pause: %w: %s", err, bytes.TrimSpace(msg))
+		return Spec{}, fmt.Errorf("build pause: %w: %s", hostMissing(err), bytes.TrimSpace(msg))
 	}
 	data, err := os.ReadFile(filepath.Join(dir, "pause"))
 	if err != nil {

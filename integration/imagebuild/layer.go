@@ -41,17 +41,14 @@ func writeLayer(ctx context.Context, w io.Writer, l Layer) error {
 			return fmt.Errorf("%s: not an absolute path, the root, or listed twice", e.Path)
 		}
 		seen[name] = true
-		var err error
 		dir := tree
 		for _, c := range strings.Split(path.Dir(name), "/") { // the parents, top down
-			if dir = filepath.Join(dir, c); err == nil {
-				err = implied.place(dir, true)
+			dir = filepath.Join(dir, c)
+			if err := implied.place(dir, true); err != nil {
+				return fmt.Errorf("%s: %w", e.Path, err)
 			}
 		}
-		if err == nil {
-			err = e.place(filepath.Join(tree, name), false)
-		}
-		if err != nil {
+		if err := e.place(filepath.Join(tree, name), false); err != nil {
 			return fmt.Errorf("%s: %w", e.Path, err)
 		}
 	}
@@ -107,11 +104,7 @@ func walkHost(src string, fn func(s, rel string, fi fs.FileInfo) error) error {
 	if err != nil {
 		return err
 	}
-	return filepath.WalkDir(src, func(s string, d fs.DirEntry, err error) error {
-		var fi fs.FileInfo
-		if err == nil {
-			fi, err = d.Info()
-		}
+	return filepath.Walk(src, func(s string, fi fs.FileInfo, err error) error {
 		if err != nil {
 			return err
 		}
