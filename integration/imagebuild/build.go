@@ -97,7 +97,7 @@ func store(ctx context.Context, cs content.Store, mediaType string, v any) (ocis
 
 // formatVersion changes whenever Build's output for a given Spec changes, so
 // archives cached by an older builder are not reused.
-const formatVersion = "imagebuild/3"
+const formatVersion = "imagebuild/2"
 
 // Archive is a built image archive on disk.
 type Archive struct{ Path string }
