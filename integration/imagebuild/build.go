@@ -1,7 +1,6 @@
 package imagebuild
 
 import (
-	"bytes"
 	"cmp"
 	"context"
 	"crypto/sha256"
@@ -18,7 +17,6 @@ import (
 
 	"github.com/containerd/containerd/v2/core/content"
 	"github.com/containerd/containerd/v2/core/images/archive"
-	"github.com/containerd/containerd/v2/pkg/archive/compression"
 	"github.com/containerd/containerd/v2/plugins/content/local"
 	"github.com/containerd/errdefs"
 	"github.com/opencontainers/go-digest"
@@ -44,26 +42,26 @@ func Build(spec Spec, w io.Writer) (ocispec.Descriptor, error) {
 		return ocispec.Descriptor{}, fmt.Errorf("build image: %w", err)
 	}
 	manifest := ocispec.Manifest{Versioned: specs.Versioned{SchemaVersion: 2}, MediaType: ocispec.MediaTypeImageManifest, Layers: []ocispec.Descriptor{}}
-	image := ocispec.Image{Platform: ocispec.Platform{Architecture: cmp.Or(spec.Arch, runtime.GOARCH), OS: "linux"},
+	image := ocispec.Image{Platform: ocispec.Platform{Architecture: runtime.GOARCH, OS: "linux"},
 		Config: spec.Config, RootFS: ocispec.RootFS{Type: "layers", DiffIDs: []digest.Digest{}}}
 	if len(image.Config.Env) == 0 {
 		image.Config.Env = []string{DefaultPath}
 	}
 	image.Config.WorkingDir = cmp.Or(image.Config.WorkingDir, "/")
-	dirs := map[string]Entry{}
 	for i, l := range spec.Layers {
-		desc, diffID, err := storeLayer(ctx, cs, fmt.Sprintf("layer-%d", i), l, dirs, spec.Gzip)
+		desc, err := store(ctx, cs, ocispec.MediaTypeImageLayer, l)
 		if err != nil {
 			return ocispec.Descriptor{}, fmt.Errorf("build image: layer %d: %w", i, err)
 		}
-		manifest.Layers, image.RootFS.DiffIDs = append(manifest.Layers, desc), append(image.RootFS.DiffIDs, diffID)
+		// Layers are not compressed, so a blob's digest is its diff ID.
+		manifest.Layers, image.RootFS.DiffIDs = append(manifest.Layers, desc), append(image.RootFS.DiffIDs, desc.Digest)
 	}
-	if manifest.Config, err = storeJSON(ctx, cs, ocispec.MediaTypeImageConfig, image); err != nil {
-		return ocispec.Descriptor{}, err
+	if manifest.Config, err = store(ctx, cs, ocispec.MediaTypeImageConfig, image); err != nil {
+		return ocispec.Descriptor{}, fmt.Errorf("build image: config: %w", err)
 	}
-	desc, err := storeJSON(ctx, cs, ocispec.MediaTypeImageManifest, manifest)
+	desc, err := store(ctx, cs, ocispec.MediaTypeImageManifest, manifest)
 	if err != nil {
-		return ocispec.Descriptor{}, err
+		return ocispec.Descriptor{}, fmt.Errorf("build image: manifest: %w", err)
 	}
 	desc.Platform = &image.Platform
 	if err := archive.Export(ctx, cs, w, archive.WithManifest(desc), archive.WithSkipDockerManifest()); err != nil {
@@ -72,49 +70,27 @@ func Build(spec Spec, w io.Writer) (ocispec.Descriptor, error) {
 	return desc, nil
 }
 
-// storeLayer writes a layer's tar (gzipped if gz) into the store, hashing the
-// tar (the diff ID) on the way; the store's writer digests the blob.
-func storeLayer(ctx context.Context, cs content.Store, ref string, l Layer, dirs map[string]Entry, gz bool) (ocispec.Descriptor, digest.Digest, error) {
-	desc := ocispec.Descriptor{MediaType: ocispec.MediaTypeImageLayer}
-	cw, err := content.OpenWriter(ctx, cs, content.WithRef(ref))
+// store writes v into cs as a blob: a Layer as its tar, anything else as JSON.
+// The store's writer digests the blob on the way in.
+func store(ctx context.Context, cs content.Store, mediaType string, v any) (ocispec.Descriptor, error) {
+	cw, err := content.OpenWriter(ctx, cs, content.WithRef("imagebuild"))
 	if err != nil {
-		return desc, "", err
+		return ocispec.Descriptor{}, err
 	}
 	defer cw.Close()
-	c := compression.Uncompressed
-	if gz {
-		c, desc.MediaType = compression.Gzip, ocispec.MediaTypeImageLayerGzip
+	var data []byte
+	if l, ok := v.(Layer); ok {
+		err = writeLayer(ctx, cw, l)
+	} else if data, err = json.Marshal(v); err == nil {
+		_, err = cw.Write(data)
 	}
-	zw, err := compression.CompressStream(cw, c)
-	if err != nil {
-		return desc, "", err
+	st, serr := cw.Status()
+	if err = errors.Join(err, serr); err != nil {
+		return ocispec.Descriptor{}, err
 	}
-	diffID := digest.SHA256.Digester()
-	if err := writeLayer(ctx, io.MultiWriter(zw, diffID.Hash()), l, dirs); err != nil {
-		return desc, "", err
-	}
-	if err := zw.Close(); err != nil {
-		return desc, "", err
-	}
-	st, err := cw.Status()
-	if err != nil {
-		return desc, "", err
-	}
-	desc.Digest, desc.Size = cw.Digest(), st.Offset
+	desc := ocispec.Descriptor{MediaType: mediaType, Digest: cw.Digest(), Size: st.Offset}
 	if err := cw.Commit(ctx, desc.Size, desc.Digest); err != nil && !errdefs.IsAlreadyExists(err) {
-		return desc, "", err // (two identical layers share one blob)
-	}
-	return desc, diffID.Digest(), nil
-}
-
-func storeJSON(ctx context.Context, cs content.Store, mediaType string, v any) (ocispec.Descriptor, error) {
-	data, err := json.Marshal(v)
-	if err != nil {
-		return ocispec.Descriptor{}, fmt.Errorf("build image: encode %s: %w", mediaType, err)
-	}
-	desc := ocispec.Descriptor{MediaType: mediaType, Digest: digest.FromBytes(data), Size: int64(len(data))}
-	if err := content.WriteBlob(ctx, cs, mediaType, bytes.NewReader(data), desc); err != nil {
-		return desc, fmt.Errorf("build image: store %s: %w", mediaType, err)
+		return desc, err // (two identical layers share one blob)
 	}
 	return desc, nil
 }
@@ -126,37 +102,23 @@ const formatVersion = "imagebuild/2"
 // Archive is a built image archive on disk.
 type Archive struct{ Path string }
 
-// Key is a content hash of spec: every field, plus for host copies the path,
-// size, mtime, inode and mode of each file they read. Host file contents are not
-// read: a host file replaced or rewritten changes its inode or mtime, and hashing
-// a 100 MB node binary on every test run is what the cache is there to avoid.
-func Key(spec Spec) (string, error) {
+// key is a content hash of spec: every field, plus the path, mode, size, mtime,
+// inode and link target of each host file it copies. Host file contents are
+// not read: a host file replaced or rewritten changes its inode or mtime, and
+// hashing a 100 MB node binary on every test run is what the cache is there to avoid.
+func key(spec Spec) (string, error) {
 	h := sha256.New()
 	enc := json.NewEncoder(h)
 	err := enc.Encode([]any{formatVersion, spec})
 	for _, l := range spec.Layers {
 		for _, e := range l {
-			if err != nil || e.Kind != KindHostFile && e.Kind != KindHostDir {
+			if err != nil || e.Kind != KindHost {
 				continue
 			}
-			var src string
-			if src, err = filepath.EvalSymlinks(e.Source); err != nil {
-				break
-			}
-			err = filepath.WalkDir(src, func(p string, d fs.DirEntry, err error) error {
-				var fi fs.FileInfo
-				if err == nil {
-					fi, err = d.Info()
-				}
-				if err != nil {
-					return err
-				}
-				target, _ := os.Readlink(p) // "" unless p is a link
+			err = walkHost(e.Source, func(s, _ string, fi fs.FileInfo) error {
+				target, _ := os.Readlink(s) // "" unless s is a link
 				st, _ := fi.Sys().(*syscall.Stat_t)
-				if err := enc.Encode([]any{p, fi.Mode(), fi.Size(), fi.ModTime().UnixNano(), st.Ino, target}); err != nil || e.Kind == KindHostFile {
-					return cmp.Or(err, filepath.SkipAll)
-				}
-				return nil
+				return enc.Encode([]any{s, fi.Mode(), fi.Size(), fi.ModTime().UnixNano(), st.Ino, target})
 			})
 		}
 	}
@@ -166,31 +128,47 @@ func Key(spec Spec) (string, error) {
 	return hex.EncodeToString(h.Sum(nil)), nil
 }
 
-// Cached returns the archive of spec under dir, building it the first time,
-// named by Key. Concurrent builders of one spec are safe: each writes its own
-// temporary file and renames it into place.
+// Cached returns the archive of spec under the directory dir, building it the
+// first time, named by its key.
 func Cached(spec Spec, dir string) (Archive, error) {
-	key, err := Key(spec)
+	key, err := key(spec)
 	if err != nil {
 		return Archive{}, err
 	}
-	a := Archive{Path: filepath.Join(dir, key+".tar")}
-	if _, err := os.Stat(a.Path); err == nil {
-		return a, nil
+	p, err := cacheEntry(dir, key+".tar", func(tmp string) error {
+		f, err := os.Create(tmp)
+		if err != nil {
+			return err
+		}
+		_, err = Build(spec, f)
+		return errors.Join(err, f.Close())
+	})
+	return Archive{Path: p}, err
+}
+
+// cacheEntry returns dir/name (dir exists), first making it if missing: create
+// writes a file or directory at a temporary path that is then renamed into
+// place, so nobody sees a half-made entry and concurrent makers are safe.
+func cacheEntry(dir, name string, create func(tmp string) error) (string, error) {
+	final := filepath.Join(dir, name)
+	if _, err := os.Stat(final); err == nil {
+		return final, nil
 	}
-	if err := os.MkdirAll(dir, 0o755); err != nil {
-		return Archive{}, fmt.Errorf("image cache: %w", err)
-	}
-	f, err := os.CreateTemp(dir, "."+key+".tmp-*")
+	tmp, err := os.MkdirTemp(dir, "."+name+".tmp-")
 	if err != nil {
-		return Archive{}, fmt.Errorf("image cache: %w", err)
+		return "", fmt.Errorf("cache %s: %w", name, err)
 	}
-	defer os.Remove(f.Name()) // no-op once renamed
-	_, err = Build(spec, f)
-	if err = errors.Join(err, f.Close()); err == nil {
-		err = errors.Join(os.Chmod(f.Name(), 0o644), os.Rename(f.Name(), a.Path))
+	defer os.RemoveAll(tmp)
+	if err := create(filepath.Join(tmp, name)); err != nil {
+		return "", fmt.Errorf("cache %s: %w", name, err)
 	}
-	return a, err
+	// Renaming a directory fails if another maker's is already in place: use theirs.
+	if err := os.Rename(filepath.Join(tmp, name), final); err != nil {
+		if _, serr := os.Stat(final); serr != nil {
+			return "", fmt.Errorf("cache %s: %w", name, err)
+		}
+	}
+	return final, nil
 }
 
 // DefaultCacheDir is where archives are cached: <repo>/.cache/images, or

@@ -13,7 +13,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"runtime"
 	"slices"
 	"sort"
 	"strings"
@@ -32,16 +31,20 @@ const (
 	PauseRef   = "tidepool.test/pause:latest"
 )
 
-// The unprivileged user of the ready-made images.
-const (
-	AgentUser = "agent"
-	AgentUID  = 1000
-	AgentGID  = 1000
-)
+// agentID is the uid and gid of "agent", the images' unprivileged user.
+const agentID = 1000
 
 // ErrHostMissing marks a failure caused by something this machine lacks (the
 // busybox-static package, node, npm, the go toolchain): tests skip on it.
 var ErrHostMissing = errors.New("host prerequisite missing")
+
+// hostMissing marks the failure to start a host tool that is not installed as ErrHostMissing.
+func hostMissing(err error) error {
+	if errors.Is(err, exec.ErrNotFound) {
+		return fmt.Errorf("%w: %w", err, ErrHostMissing)
+	}
+	return err
+}
 
 // BusyboxApplets are the commands the Busybox image links to /bin/busybox.
 var BusyboxApplets = []string{
@@ -54,39 +57,33 @@ var BusyboxApplets = []string{
 // busyboxHostPath is where Debian's busybox-static installs its binary.
 const busyboxHostPath = "/bin/busybox"
 
-// BusyboxLayer is the base layer of the Busybox and Node images: a static
-// busybox with applet symlinks in /bin, /etc/passwd and /etc/group with root and
+// Busybox is a one-layer image, also the base layer of Node: a static busybox
+// with applet symlinks in /bin, /etc/passwd and /etc/group with root and
 // "agent" (1000:1000), /tmp (1777), and /workspace and /app owned by agent.
-func BusyboxLayer() (Layer, error) {
-	fi, err := os.Stat(busyboxHostPath)
-	if err != nil || !fi.Mode().IsRegular() {
-		return nil, fmt.Errorf("%s not found (install busybox-static): %w", busyboxHostPath, ErrHostMissing)
+// Its default command is sh.
+func Busybox() (Spec, error) {
+	list, err := exec.Command(busyboxHostPath, "--list").Output()
+	if err != nil {
+		return Spec{}, fmt.Errorf("%s --list: %v (install busybox-static): %w", busyboxHostPath, err, ErrHostMissing)
 	}
 	l := Layer{
 		HostFile("/bin/busybox", busyboxHostPath),
-		File("/etc/passwd", []byte("root:x:0:0:root:/root:/bin/sh\n"+
-			fmt.Sprintf("%s:x:%d:%d:%s:/home/%s:/bin/sh\n", AgentUser, AgentUID, AgentGID, AgentUser, AgentUser)), 0o644),
-		File("/etc/group", []byte("root:x:0:\n"+fmt.Sprintf("%s:x:%d:\n", AgentUser, AgentGID)), 0o644),
+		File("/etc/passwd", []byte("root:x:0:0:root:/root:/bin/sh\nagent:x:1000:1000:agent:/home/agent:/bin/sh\n"), 0o644),
+		File("/etc/group", []byte("root:x:0:\nagent:x:1000:\n"), 0o644),
 		Dir("/root", 0o700),
-		Dir("/home/"+AgentUser, 0o755).Owner(AgentUID, AgentGID),
+		Dir("/home/agent", 0o755).Owner(agentID, agentID),
 		Dir("/tmp", 0o777|fs.ModeSticky),
-		Dir("/workspace", 0o755).Owner(AgentUID, AgentGID),
-		Dir("/app", 0o755).Owner(AgentUID, AgentGID),
+		Dir("/workspace", 0o755).Owner(agentID, agentID),
+		Dir("/app", 0o755).Owner(agentID, agentID),
 		Dir("/proc", 0o555),
 		Dir("/sys", 0o555),
 		Dir("/dev", 0o755),
 	}
 	for _, a := range BusyboxApplets {
+		if !slices.Contains(strings.Fields(string(list)), a) {
+			return Spec{}, fmt.Errorf("%s has no applet %q", busyboxHostPath, a)
+		}
 		l = append(l, Symlink("/bin/"+a, "busybox"))
-	}
-	return l, nil
-}
-
-// Busybox is a one-layer image with BusyboxLayer; its default command is sh.
-func Busybox() (Spec, error) {
-	l, err := BusyboxLayer()
-	if err != nil {
-		return Spec{}, err
 	}
 	return Spec{Layers: []Layer{l}, Config: ocispec.ImageConfig{Cmd: []string{"sh"}}}, nil
 }
@@ -113,7 +110,7 @@ console.log(JSON.stringify({lodash: _.VERSION, ms: ms('2h'), debug: typeof debug
 // a node_modules tree installed from the npm registry (cached under
 // <repo>/.cache/npm). Its default command is `node /app/index.js`.
 func Node(ctx context.Context) (Spec, error) {
-	base, err := BusyboxLayer()
+	base, err := Busybox()
 	if err != nil {
 		return Spec{}, err
 	}
@@ -131,42 +128,34 @@ func Node(ctx context.Context) (Spec, error) {
 	}
 	l := Layer{
 		HostFile(nodePath, nodePath),
-		Dir("/app", 0o755).Owner(AgentUID, AgentGID),
+		Dir("/app", 0o755).Owner(agentID, agentID),
 		HostFile("/app/package.json", filepath.Join(app, "package.json")),
 		HostFile("/app/package-lock.json", filepath.Join(app, "package-lock.json")),
-		HostDir("/app/node_modules", filepath.Join(app, "node_modules")),
+		HostFile("/app/node_modules", filepath.Join(app, "node_modules")),
 		File("/app/index.js", []byte(nodeIndexJS), 0o644),
 	}
 	for _, lib := range libs {
 		l = append(l, HostFile(lib, lib))
 	}
 	return Spec{
-		Layers: []Layer{base, l},
+		Layers: []Layer{base.Layers[0], l},
 		Config: ocispec.ImageConfig{Cmd: []string{"node", "/app/index.js"}, WorkingDir: "/app"},
 	}, nil
 }
 
 // sharedLibraries lists the absolute paths of the libraries and loader a
-// dynamic executable needs, as ldd resolves them on this host.
+// dynamic executable needs, as ldd resolves them on this host. ldd prints
+// "name => /path (addr)", "/loader (addr)", and entries without a file (the
+// vDSO) that need nothing copied.
 func sharedLibraries(ctx context.Context, bin string) ([]string, error) {
-	ldd, err := exec.LookPath("ldd")
+	out, err := exec.CommandContext(ctx, "ldd", bin).Output()
 	if err != nil {
-		return nil, fmt.Errorf("ldd: %v: %w", err, ErrHostMissing)
+		return nil, fmt.Errorf("ldd %s: %w", bin, hostMissing(err))
 	}
-	out, err := exec.CommandContext(ctx, ldd, bin).Output()
-	if err != nil {
-		return nil, fmt.Errorf("ldd %s: %w", bin, err)
-	}
-	return parseLdd(string(out))
-}
-
-// parseLdd reads ldd output: "name => /path (addr)", "/loader (addr)", and
-// entries without a file (the vDSO) that need nothing copied.
-func parseLdd(out string) ([]string, error) {
 	var libs []string
-	for _, line := range strings.Split(out, "\n") {
+	for _, line := range strings.Split(string(out), "\n") {
 		if strings.Contains(line, "not found") {
-			return nil, fmt.Errorf("ldd: %s", strings.TrimSpace(line))
+			return nil, fmt.Errorf("ldd %s: %s", bin, strings.TrimSpace(line))
 		}
 		if _, after, ok := strings.Cut(line, "=>"); ok {
 			line = after
@@ -183,10 +172,9 @@ func parseLdd(out string) ([]string, error) {
 // installed node_modules of NodePackages, running npm install once per package
 // set and keeping the result under the cache.
 func npmTree(ctx context.Context) (string, error) {
-	names := slices.Sorted(maps.Keys(NodePackages))
-	deps := make([]string, len(names))
-	for i, n := range names {
-		deps[i] = fmt.Sprintf("    %q: %q", n, NodePackages[n])
+	var deps []string
+	for _, n := range slices.Sorted(maps.Keys(NodePackages)) {
+		deps = append(deps, fmt.Sprintf("    %q: %q", n, NodePackages[n]))
 	}
 	pkg := "{\n  \"name\": \"tidepool-test-app\",\n  \"version\": \"1.0.0\",\n  \"private\": true,\n" +
 		"  \"dependencies\": {\n" + strings.Join(deps, ",\n") + "\n  }\n}\n"
@@ -195,90 +183,39 @@ func npmTree(ctx context.Context) (string, error) {
 	if err != nil {
 		return "", err
 	}
-	final := filepath.Join(cache, "app-"+hex.EncodeToString(sum[:8]))
-	if _, err := os.Stat(filepath.Join(final, "node_modules")); err == nil {
-		return final, nil
-	}
-	npm, err := exec.LookPath("npm")
-	if err != nil {
-		return "", fmt.Errorf("npm: %v: %w", err, ErrHostMissing)
-	}
-	tmp, err := os.MkdirTemp(cache, ".app-tmp-")
-	if err != nil {
-		return "", fmt.Errorf("npm tree: %w", err)
-	}
-	defer os.RemoveAll(tmp) // empty after a successful rename
-	if err := os.WriteFile(filepath.Join(tmp, "package.json"), []byte(pkg), 0o644); err != nil {
-		return "", fmt.Errorf("npm tree: %w", err)
-	}
-	cmd := exec.CommandContext(ctx, npm, "install", "--no-audit", "--no-fund", "--ignore-scripts", "--cache", filepath.Join(cache, "_npm-cache"))
-	cmd.Dir = tmp
-	if out, err := cmd.CombinedOutput(); err != nil {
-		return "", fmt.Errorf("npm install in %s: %w: %s", tmp, err, bytes.TrimSpace(out))
-	}
-	// If another test package installed the same tree first, use theirs.
-	if err := os.Rename(tmp, final); err != nil {
-		if _, serr := os.Stat(filepath.Join(final, "node_modules")); serr != nil {
-			return "", fmt.Errorf("npm tree: %w", err)
+	return cacheEntry(cache, "app-"+hex.EncodeToString(sum[:8]), func(dir string) error {
+		if err := errors.Join(os.Mkdir(dir, 0o755), os.WriteFile(filepath.Join(dir, "package.json"), []byte(pkg), 0o644)); err != nil {
+			return err
 		}
-	}
-	return final, nil
+		cmd := exec.CommandContext(ctx, "npm", "install", "--no-audit", "--no-fund", "--ignore-scripts", "--cache", filepath.Join(cache, "_npm-cache"))
+		cmd.Dir = dir
+		if out, err := cmd.CombinedOutput(); err != nil {
+			return fmt.Errorf("npm install: %w: %s", hostMissing(err), bytes.TrimSpace(out))
+		}
+		return nil
+	})
 }
 
-// Pause is an image holding only /pause, a static Go binary (built from
-// integration/imagebuild/pause with CGO_ENABLED=0, cached under
-// <repo>/.cache/bin) that blocks, reaps children and exits 0 on SIGTERM or
-// SIGINT: the sandbox image for CRI tests.
+// Pause is an image holding only /pause, a static Go binary built from
+// integration/imagebuild/pause that blocks, reaps children and exits 0 on
+// SIGTERM or SIGINT: the sandbox image for CRI tests. Go builds are
+// reproducible, so building it again each time keeps the image's cache key.
 func Pause(ctx context.Context) (Spec, error) {
-	bin, err := PauseBinary(ctx)
+	dir, err := os.MkdirTemp("", "imagebuild-pause-")
 	if err != nil {
-		return Spec{}, err
+		return Spec{}, fmt.Errorf("pause image: %w", err)
 	}
-	data, err := os.ReadFile(bin)
+	defer os.RemoveAll(dir)
+	cmd := exec.CommandContext(ctx, "go", "build", "-trimpath", "-ldflags=-s -w", "-o", filepath.Join(dir, "pause"), testenv.ModulePath+"/integration/imagebuild/pause")
+	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+	if msg, err := cmd.CombinedOutput(); err != nil {
+		return Spec{}, fmt.Errorf("build pause: %w: %s", hostMissing(err), bytes.TrimSpace(msg))
+	}
+	data, err := os.ReadFile(filepath.Join(dir, "pause"))
 	if err != nil {
 		return Spec{}, fmt.Errorf("pause image: %w", err)
 	}
 	return Spec{Layers: []Layer{{File("/pause", data, 0o755)}}, Config: ocispec.ImageConfig{Entrypoint: []string{"/pause"}}}, nil
-}
-
-// PauseBinary builds the pause program once per source and Go version and
-// returns its path.
-func PauseBinary(ctx context.Context) (string, error) {
-	root, err := testenv.RepoRoot()
-	if err != nil {
-		return "", err
-	}
-	src := filepath.Join(root, "integration", "imagebuild", "pause")
-	h := sha256.New()
-	h.Write([]byte(runtime.Version() + "\n"))
-	files, _ := filepath.Glob(filepath.Join(src, "*.go"))
-	for _, f := range files {
-		data, err := os.ReadFile(f)
-		if err != nil {
-			return "", fmt.Errorf("pause sources: %w", err)
-		}
-		fmt.Fprintf(h, "%s %d\n%s", filepath.Base(f), len(data), data)
-	}
-	cache, err := testenv.CacheDir("bin")
-	if err != nil || len(files) == 0 {
-		return "", cmp.Or(err, fmt.Errorf("pause sources in %s: none found", src))
-	}
-	out := filepath.Join(cache, "pause-"+hex.EncodeToString(h.Sum(nil)[:8]))
-	if _, err := os.Stat(out); err == nil {
-		return out, nil
-	}
-	goTool, err := exec.LookPath("go")
-	if err != nil {
-		return "", fmt.Errorf("go toolchain: %v: %w", err, ErrHostMissing)
-	}
-	tmp := fmt.Sprintf("%s.tmp-%d", out, os.Getpid())
-	defer os.Remove(tmp)
-	cmd := exec.CommandContext(ctx, goTool, "build", "-trimpath", "-ldflags=-s -w", "-o", tmp, ".")
-	cmd.Dir, cmd.Env = src, append(os.Environ(), "CGO_ENABLED=0")
-	if msg, err := cmd.CombinedOutput(); err != nil {
-		return "", fmt.Errorf("build pause: %w: %s", err, bytes.TrimSpace(msg))
-	}
-	return out, os.Rename(tmp, out)
 }
 
 // BusyboxArchive returns the cached archive of Busybox, building it if needed.
