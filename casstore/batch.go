@@ -27,15 +27,17 @@ const fsyncEach = 32
 // so a failed ingest or commit leaves the store's set of objects unchanged.
 //
 // A batch holds the store's GC lock in shared mode from Begin to Commit or Abort, and
-// refreshes the mtime of every existing object it relies on, so a concurrent garbage
-// collection neither deletes an object the batch is about to reference nor sweeps the
-// result before its grace period ends.
+// at Commit gives every object it wrote or relies on the same mtime, its publication
+// time, so a concurrent garbage collection neither deletes an object the batch is
+// about to reference nor keeps a new object while it sweeps one the object names
+// (grace is measured from mtimes, and all of one batch's objects are equally young).
 type Batch struct {
 	s    *Store
 	lock *os.File
 
 	mu      sync.Mutex
-	pending map[Hash]string // object -> staged temp file
+	pending map[Hash]string   // object -> staged temp file
+	reused  map[Hash]struct{} // objects already stored that the batch relies on
 	done    bool
 }
 
@@ -45,7 +47,21 @@ func (s *Store) Begin() (*Batch, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &Batch{s: s, lock: lf, pending: map[Hash]string{}}, nil
+	s.sweepDeadOnce()
+	return &Batch{s: s, lock: lf, pending: map[Hash]string{}, reused: map[Hash]struct{}{}}, nil
+}
+
+// Hold takes the GC lock in shared mode, as a batch does, until release is called:
+// garbage collection does not sweep meanwhile. Writers of records that name roots (a
+// fork, a pin) check that the root exists and write the record under it, so a root
+// is either recorded before a collection reads the live roots or already gone (and
+// the check fails) when the record would be written.
+func (s *Store) Hold() (release func(), err error) {
+	lf, err := s.lock(unix.LOCK_SH)
+	if err != nil {
+		return nil, err
+	}
+	return func() { lf.Close() }, nil
 }
 
 // LockExclusive takes the GC lock in exclusive mode: it waits for running batches to
@@ -76,8 +92,9 @@ func (s *Store) lock(how int) (*os.File, error) {
 	return lf, nil
 }
 
-// have reports whether h is already staged or stored; a stored object's mtime is
-// refreshed so that garbage collection sees it as recently used.
+// have reports whether h is already staged or stored. A stored object is remembered,
+// and Commit refreshes its mtime so that garbage collection sees it as used now. (No
+// collection can delete it in between: the sweep needs the lock exclusively.)
 func (b *Batch) have(h Hash) bool {
 	b.mu.Lock()
 	_, staged := b.pending[h]
@@ -85,12 +102,12 @@ func (b *Batch) have(h Hash) bool {
 	if staged {
 		return true
 	}
-	p := b.s.Path(h)
-	if _, err := os.Lstat(p); err != nil {
+	if _, err := os.Lstat(b.s.Path(h)); err != nil {
 		return false
 	}
-	now := time.Now()
-	_ = os.Chtimes(p, now, now) // best effort: a read-only LunarFS store still works
+	b.mu.Lock()
+	b.reused[h] = struct{}{}
+	b.mu.Unlock()
 	return true
 }
 
@@ -105,7 +122,7 @@ func (b *Batch) stage(h Hash, tmp string) {
 }
 
 func (b *Batch) createTemp() (*os.File, error) {
-	f, err := os.CreateTemp(b.s.tmp, "obj-*")
+	f, err := os.CreateTemp(b.s.tmp, tempPrefix()+"*")
 	if err != nil {
 		return nil, fmt.Errorf("create temp object: %w", err)
 	}
@@ -228,13 +245,42 @@ func (b *Batch) WriteTree(entries []Entry) (Hash, error) {
 // Commit publishes every staged object durably (data synced before the rename, the
 // directory entries synced after it) and releases the lock.
 func (b *Batch) Commit() error {
+	release, err := b.Publish()
+	if release != nil {
+		release()
+	}
+	return err
+}
+
+// Publish is Commit without releasing the GC lock: the caller records what it wrote
+// (a fork's new root) before calling release, so no collection can run between the
+// objects' publication and the record that keeps them. release is nil on error (the
+// lock is released then).
+func (b *Batch) Publish() (release func(), err error) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if b.done {
-		return errors.New("batch already finished")
+		return nil, errors.New("batch already finished")
 	}
 	b.done = true
-	defer b.lock.Close()
+	if err := b.publish(); err != nil {
+		b.lock.Close()
+		return nil, err
+	}
+	lf := b.lock
+	return func() { lf.Close() }, nil
+}
+
+func (b *Batch) publish() error {
+	// Publication time, not write time, is what garbage collection's grace period
+	// must count from: the caller references these objects only after Commit. Reused
+	// objects get the same time, so a new tree is never younger than what it names.
+	now := time.Now()
+	for h := range b.reused {
+		if _, staged := b.pending[h]; !staged {
+			_ = os.Chtimes(b.s.Path(h), now, now) // best effort: a read-only LunarFS store still works
+		}
+	}
 	if len(b.pending) == 0 {
 		return nil
 	}
@@ -250,9 +296,6 @@ func (b *Batch) Commit() error {
 		b.removePending()
 		return err
 	}
-	// Publication time, not write time, is what garbage collection's grace period
-	// must count from: the caller references these objects only after Commit.
-	now := time.Now()
 	dirs := map[string]struct{}{}
 	for h, tmp := range b.pending {
 		_ = os.Chtimes(tmp, now, now)

@@ -60,6 +60,7 @@ type Store struct {
 	verified sync.Map // Hash -> fileID
 	verifyMu singleflight.Group
 	fanout   sync.Map // "hh" -> struct{}: fan-out directories known to exist
+	deadOnce sync.Once
 }
 
 // Open opens (creating if needed) the store at root. root may be an existing LunarFS

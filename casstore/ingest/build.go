@@ -107,10 +107,18 @@ func build(ctx context.Context, store *casstore.Store, opts Options, walk func(b
 	if err := ctx.Err(); err != nil {
 		return casstore.Hash{}, Stats{}, err
 	}
-	if err := batch.Commit(); err != nil {
+	release, err := batch.Publish()
+	committed = true
+	if err != nil {
 		return casstore.Hash{}, Stats{}, fmt.Errorf("commit objects: %w", err)
 	}
-	committed = true
+	if opts.Record != nil {
+		err = opts.Record(h)
+	}
+	release()
+	if err != nil {
+		return casstore.Hash{}, Stats{}, err
+	}
 	b.c.report(true)
 	return h, b.c.stats(), nil
 }

@@ -7,6 +7,8 @@ import (
 	"time"
 
 	"github.com/containerd/errdefs"
+
+	"github.com/tidepool-dev/tidepool/casstore"
 )
 
 // Options tunes an ingest. The zero value is Tidepool's default mode.
@@ -22,6 +24,11 @@ type Options struct {
 	// most every ProgressInterval, from one goroutine at a time) and once more at the
 	// end. It must return quickly: it runs on the ingest's workers.
 	Progress func(Progress)
+	// Record, if set, is called with the new root after its objects are published
+	// and before the store's GC lock is released, so whatever it records (a fork's
+	// new root) is live before any garbage collection can look. Its error is the
+	// ingest's error; the objects stay published (unreferenced, for gc).
+	Record func(root casstore.Hash) error
 }
 
 // ProgressInterval is the minimum time between two Progress calls (the final call is

@@ -107,6 +107,7 @@ func (a *app) openForks(ctx context.Context) (forks.Service, error) {
 		}
 		return nil, err
 	}
+	db.SetGuard(storeGuard{a})
 	if gone, err := db.Sweep(time.Now()); err != nil {
 		log.G(ctx).WithError(err).Warn("sweeping expired forks failed")
 	} else if len(gone) > 0 {
@@ -115,6 +116,26 @@ func (a *app) openForks(ctx context.Context) (forks.Service, error) {
 	a.forks, a.db = db, db
 	a.closers = append(a.closers, db.Close)
 	return db, nil
+}
+
+// storeGuard opens the store only when a record that names a root is written, so
+// commands that only read fork records do not create a store.
+type storeGuard struct{ a *app }
+
+func (g storeGuard) Hold() (func(), error) {
+	s, err := g.a.openStore()
+	if err != nil {
+		return nil, err
+	}
+	return s.Hold()
+}
+
+func (g storeGuard) Has(h casstore.Hash) (bool, error) {
+	s, err := g.a.openStore()
+	if err != nil {
+		return false, err
+	}
+	return s.Has(h)
 }
 
 // daemonState is what tidepoold writes to ROOT/tidepoold.json while it runs.
