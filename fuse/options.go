@@ -52,6 +52,10 @@ type Options struct {
 	// support for no-open the view serves opens as usual (with a warning);
 	// View.NoOpenActive tells which.
 	NoOpen bool
+	// Limits bound what one directory may hold (MaxEntries) and how deep the view
+	// descends (MaxDepth): a directory past them fails with EIO and a log line naming
+	// the limit. Zero fields take casstore's defaults.
+	Limits casstore.Limits
 	// EntryTimeout and AttrTimeout bound kernel caching; zero means DefaultTimeout.
 	// Negative lookups are never cached (late binding needs to see them).
 	EntryTimeout, AttrTimeout time.Duration

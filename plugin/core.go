@@ -59,6 +59,7 @@ func NewCore(ctx context.Context, cfg *Config) (_ *Core, retErr error) {
 		}
 	}()
 	views := NewViewHost(store, cfg.Views)
+	views.Limits = cfg.Limits
 	sn, err := snapshotter.New(ctx, snapshotter.Config{
 		Root:         cfg.Root,
 		MountOptions: cfg.Snapshotter.MountOptions,
