@@ -35,7 +35,7 @@ type Config struct {
 	// Limits bound every walk of a tree (views' directories here; the CLI has the same
 	// limits as flags): a tree is a DAG, so a few objects can spell billions of paths.
 	Limits casstore.Limits `toml:"limits"`
-	Pools       PoolsConfig       `toml:"pools"`
+	Pools  PoolsConfig     `toml:"pools"`
 }
 
 // StoreConfig locates the object store.
