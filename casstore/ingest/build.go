@@ -6,6 +6,7 @@ import (
 	"os"
 	"sync"
 
+	"github.com/containerd/log"
 	"golang.org/x/sync/errgroup"
 
 	"github.com/tidepool-dev/tidepool/casstore"
@@ -200,6 +201,32 @@ func (q *jobQueue) pop() (j fileJob, ok bool) {
 		q.items, q.head = q.items[:0], 0
 	}
 	return j, true
+}
+
+// special handles a FIFO, socket or device node: refused with Strict, else dropped,
+// counted and logged (a tree has no way to hold it).
+func (b *builder) special(path string, mode os.FileMode) error {
+	if b.opts.Strict {
+		return fmt.Errorf("%s (%s): %w", path, kindOf(mode), ErrSpecialFile)
+	}
+	b.c.skipped++
+	b.c.special++
+	log.G(b.ctx).WithField("path", path).WithField("type", kindOf(mode)).Warn("special file left out: trees cannot hold it")
+	return nil
+}
+
+func kindOf(mode os.FileMode) string {
+	switch {
+	case mode&os.ModeNamedPipe != 0:
+		return "FIFO"
+	case mode&os.ModeSocket != 0:
+		return "socket"
+	case mode&os.ModeCharDevice != 0:
+		return "character device"
+	case mode&os.ModeDevice != 0:
+		return "block device"
+	}
+	return "special file"
 }
 
 // symlink stores a link's target bytes as a blob.

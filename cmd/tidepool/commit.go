@@ -16,7 +16,7 @@ func init() { commands = append(commands, newCommitCommand) }
 
 func newCommitCommand(a *app) *cobra.Command {
 	var base, upper, prefix string
-	var strict bool
+	var strict, noSpecial bool
 	cmd := &cobra.Command{
 		Use:   "commit --base ROOT|FORK --upper DIR [--prefix P] [--lunar-strict]",
 		Short: "Record an overlay upper directory's changes on top of a root or fork",
@@ -42,7 +42,7 @@ fork is advanced to the new root, provided nobody moved it since it was read.`,
 			stderr := cmd.ErrOrStderr()
 			bar := newProgressBar(stderr, "committing")
 			start := time.Now()
-			opts := ingest.Options{LunarStrict: strict, Progress: bar.update}
+			opts := ingest.Options{LunarStrict: strict, Strict: noSpecial, Progress: bar.update}
 			if f := target.Fork; f != nil {
 				// The fork moves while the new objects are still held against garbage
 				// collection, so a collection can never sweep them before they are live.
@@ -66,11 +66,12 @@ fork is advanced to the new root, provided nobody moved it since it was read.`,
 					return nil
 				}
 			}
-			root, err := ingest.Upper(ctx, store, target.Root, upper, prefix, opts)
+			root, st, err := ingest.UpperStats(ctx, store, target.Root, upper, prefix, opts)
 			bar.done()
 			if err != nil {
 				return err
 			}
+			warnSpecial(stderr, st.Special)
 			if f := target.Fork; f != nil {
 				fmt.Fprintf(stderr, "fork %s: %s -> %s in %s\n", f.ID, target.Root.Short(), root.Short(), time.Since(start).Round(time.Millisecond))
 			} else {
@@ -85,6 +86,7 @@ fork is advanced to the new root, provided nobody moved it since it was read.`,
 	f.StringVar(&upper, "upper", "", "overlayfs upper directory holding the changes (required)")
 	f.StringVar(&prefix, "prefix", "", `where the tree sits inside the upper, e.g. "app" ("" = the upper's root)`)
 	f.BoolVar(&strict, "lunar-strict", false, "LunarFS rules: symlinks are dropped (the base must be a --lunar-strict root)")
+	f.BoolVar(&noSpecial, "strict", false, "refuse FIFOs, sockets and device nodes in the upper instead of leaving them out")
 	_ = cmd.MarkFlagRequired("base")
 	_ = cmd.MarkFlagRequired("upper")
 	return cmd
