@@ -75,10 +75,13 @@ func (s *Store) LockExclusive() (unlock func(), err error) {
 }
 
 func (s *Store) lock(how int) (*os.File, error) {
-	lf, err := os.OpenFile(filepath.Join(s.root, lockFileName), os.O_RDWR|os.O_CREATE, 0o644)
+	// Read-only is enough for flock, and lets anyone who can read the store lock it.
+	p := filepath.Join(s.root, lockFileName)
+	lf, err := os.OpenFile(p, os.O_RDONLY|os.O_CREATE, 0o644&s.objPerm)
 	if err != nil {
 		return nil, fmt.Errorf("open store lock: %w", err)
 	}
+	_ = s.adopt(p)
 	for {
 		err = unix.Flock(int(lf.Fd()), how)
 		if err != unix.EINTR {
@@ -299,6 +302,16 @@ func (b *Batch) publish() error {
 	dirs := map[string]struct{}{}
 	for h, tmp := range b.pending {
 		_ = os.Chtimes(tmp, now, now)
+		if b.s.objPerm != 0o600 {
+			if err := os.Chmod(tmp, b.s.objPerm); err != nil {
+				b.removePending()
+				return fmt.Errorf("publish object %s: %w", h, err)
+			}
+		}
+		if err := b.s.adopt(tmp); err != nil {
+			b.removePending()
+			return fmt.Errorf("publish object %s: %w", h, err)
+		}
 		final := b.s.Path(h)
 		dir := filepath.Dir(final)
 		if err := b.s.ensureFanout(dir); err != nil {
@@ -346,7 +359,15 @@ func (s *Store) ensureFanout(dir string) error {
 	if _, ok := s.fanout.Load(dir); ok {
 		return nil
 	}
-	if err := os.Mkdir(dir, 0o755); err != nil && !errors.Is(err, fs.ErrExist) {
+	if err := os.Mkdir(dir, s.dirPerm); err == nil {
+		// The umask may have taken bits away; the root directory's mode is the rule.
+		if err := os.Chmod(dir, s.dirPerm); err != nil {
+			return fmt.Errorf("create %s: %w", dir, err)
+		}
+		if err := s.adopt(dir); err != nil {
+			return fmt.Errorf("create %s: %w", dir, err)
+		}
+	} else if !errors.Is(err, fs.ErrExist) {
 		return fmt.Errorf("create %s: %w", dir, err)
 	}
 	s.fanout.Store(dir, struct{}{})

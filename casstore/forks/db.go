@@ -80,7 +80,7 @@ var _ Service = (*DB)(nil)
 // OpenDB opens (creating if needed) the database at path, waiting at most timeout for
 // another process to let go of it.
 func OpenDB(path string, timeout time.Duration) (*DB, error) {
-	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+	if err := os.MkdirAll(filepath.Dir(path), 0o700); err != nil {
 		return nil, fmt.Errorf("open fork database: %w", err)
 	}
 	db, err := bolt.Open(path, 0o600, &bolt.Options{Timeout: timeout})

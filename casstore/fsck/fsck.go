@@ -197,7 +197,7 @@ func (r *Report) quarantine(s *casstore.Store) error {
 	}
 	defer unlock()
 	dir := filepath.Join(s.Root(), casstore.QuarantineDirName)
-	if err := os.MkdirAll(dir, 0o755); err != nil {
+	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return fmt.Errorf("fsck: %w", err)
 	}
 	stamp := strconv.FormatInt(time.Now().UnixNano(), 10)
