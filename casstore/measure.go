@@ -3,6 +3,7 @@ package casstore
 import (
 	"context"
 	"fmt"
+	"strconv"
 )
 
 // Extent is what a walk of a tree would expand to.
@@ -19,7 +20,7 @@ type Extent struct {
 // withBytes adds up the sizes of file objects (a stat each, per distinct object).
 func Measure(ctx context.Context, s *Store, root Hash, l Limits, withBytes bool) (Extent, error) {
 	m := &measurer{ctx: ctx, s: s, l: l.WithDefaults(), bytes: withBytes, memo: map[Hash]Extent{}, sizes: map[Hash]int64{}}
-	return m.tree(root, 0)
+	return m.tree(root, "", 0)
 }
 
 type measurer struct {
@@ -31,7 +32,7 @@ type measurer struct {
 	sizes map[Hash]int64
 }
 
-func (m *measurer) tree(h Hash, depth int) (Extent, error) {
+func (m *measurer) tree(h Hash, path string, depth int) (Extent, error) {
 	if e, ok := m.memo[h]; ok {
 		return e, m.check(e, depth)
 	}
@@ -43,7 +44,11 @@ func (m *measurer) tree(h Hash, depth int) (Extent, error) {
 	}
 	t, err := m.s.ReadTree(h)
 	if err != nil {
-		return Extent{}, err
+		where := "the root"
+		if path != "" {
+			where = strconv.Quote(path)
+		}
+		return Extent{}, fmt.Errorf("read tree %s at %s: %w", h, where, err)
 	}
 	var ext Extent
 	if len(t) > 0 {
@@ -53,7 +58,7 @@ func (m *measurer) tree(h Hash, depth int) (Extent, error) {
 		ext.Entries++
 		switch {
 		case e.Mode.IsDir():
-			sub, err := m.tree(e.Hash, depth+1)
+			sub, err := m.tree(e.Hash, joinPath(path, e.Name), depth+1)
 			if err != nil {
 				return Extent{}, err
 			}
@@ -66,7 +71,7 @@ func (m *measurer) tree(h Hash, depth int) (Extent, error) {
 			n, ok := m.sizes[e.Hash]
 			if !ok {
 				if n, err = m.s.Size(e.Hash); err != nil {
-					return Extent{}, fmt.Errorf("file %s: %w", e.Name, err)
+					return Extent{}, fmt.Errorf("file %s: %w", strconv.Quote(joinPath(path, e.Name)), err)
 				}
 				m.sizes[e.Hash] = n
 			}
@@ -92,4 +97,11 @@ func (m *measurer) check(e Extent, depth int) error {
 		return fmt.Errorf("more than %d bytes of content (max_tree_bytes, --max-tree-bytes): %w", m.l.MaxBytes, ErrTreeLimit)
 	}
 	return nil
+}
+
+func joinPath(dir, name string) string {
+	if dir == "" {
+		return name
+	}
+	return dir + "/" + name
 }

@@ -43,11 +43,15 @@ Paths holding control characters, '"' or '\' are printed as quoted Go strings.`,
 			if err != nil {
 				return err
 			}
-			// A tree past the limits is refused before anything is printed; the
-			// listing itself is streamed, and stops at SIGINT/SIGTERM.
+			// A tree past the limits, or one that cannot be read, is refused before
+			// anything is printed (Measure reads each distinct tree once); the listing
+			// itself is streamed, and stops at SIGINT/SIGTERM.
 			if start.Mode.IsDir() && recursive {
-				if _, err := casstore.Measure(ctx, s, start.Hash, a.limits, false); errors.Is(err, casstore.ErrTreeLimit) || ctx.Err() != nil {
-					return fmt.Errorf("ls-tree -r %s: %w", args[0], err)
+				if _, err := casstore.Measure(ctx, s, start.Hash, a.limits, false); err != nil {
+					if errors.Is(err, casstore.ErrTreeLimit) {
+						return fmt.Errorf("ls-tree -r %s: %w", args[0], err)
+					}
+					return err
 				}
 			}
 			out := bufio.NewWriterSize(cmd.OutOrStdout(), 64<<10)
