@@ -22,7 +22,7 @@ func TestGCRacesWriters(t *testing.T) {
 	e := newEnv(t)
 	r := seed(t)
 	e.startDaemon()
-	const writers, rounds = 2, 15
+	const writers, rounds = 2, 12
 
 	ctx, stop := context.WithCancel(context.Background())
 	var gcRuns atomic.Int64
