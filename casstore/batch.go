@@ -27,15 +27,17 @@ const fsyncEach = 32
 // so a failed ingest or commit leaves the store's set of objects unchanged.
 //
 // A batch holds the store's GC lock in shared mode from Begin to Commit or Abort, and
-// refreshes the mtime of every existing object it relies on, so a concurrent garbage
-// collection neither deletes an object the batch is about to reference nor sweeps the
-// result before its grace period ends.
+// at Commit gives every object it wrote or relies on the same mtime, its publication
+// time, so a concurrent garbage collection neither deletes an object the batch is
+// about to reference nor keeps a new object while it sweeps one the object names
+// (grace is measured from mtimes, and all of one batch's objects are equally young).
 type Batch struct {
 	s    *Store
 	lock *os.File
 
 	mu      sync.Mutex
-	pending map[Hash]string // object -> staged temp file
+	pending map[Hash]string   // object -> staged temp file
+	reused  map[Hash]struct{} // objects already stored that the batch relies on
 	done    bool
 }
 
@@ -45,7 +47,21 @@ func (s *Store) Begin() (*Batch, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &Batch{s: s, lock: lf, pending: map[Hash]string{}}, nil
+	s.sweepDeadOnce()
+	return &Batch{s: s, lock: lf, pending: map[Hash]string{}, reused: map[Hash]struct{}{}}, nil
+}
+
+// Hold takes the GC lock in shared mode, as a batch does, until release is called:
+// garbage collection does not sweep meanwhile. Writers of records that name roots (a
+// fork, a pin) check that the root exists and write the record under it, so a root
+// is either recorded before a collection reads the live roots or already gone (and
+// the check fails) when the record would be written.
+func (s *Store) Hold() (release func(), err error) {
+	lf, err := s.lock(unix.LOCK_SH)
+	if err != nil {
+		return nil, err
+	}
+	return func() { lf.Close() }, nil
 }
 
 // LockExclusive takes the GC lock in exclusive mode: it waits for running batches to
@@ -59,10 +75,13 @@ func (s *Store) LockExclusive() (unlock func(), err error) {
 }
 
 func (s *Store) lock(how int) (*os.File, error) {
-	lf, err := os.OpenFile(filepath.Join(s.root, lockFileName), os.O_RDWR|os.O_CREATE, 0o644)
+	// Read-only is enough for flock, and lets anyone who can read the store lock it.
+	p := filepath.Join(s.root, lockFileName)
+	lf, err := os.OpenFile(p, os.O_RDONLY|os.O_CREATE, 0o644&s.objPerm)
 	if err != nil {
 		return nil, fmt.Errorf("open store lock: %w", err)
 	}
+	_ = s.adopt(p)
 	for {
 		err = unix.Flock(int(lf.Fd()), how)
 		if err != unix.EINTR {
@@ -76,8 +95,9 @@ func (s *Store) lock(how int) (*os.File, error) {
 	return lf, nil
 }
 
-// have reports whether h is already staged or stored; a stored object's mtime is
-// refreshed so that garbage collection sees it as recently used.
+// have reports whether h is already staged or stored. A stored object is remembered,
+// and Commit refreshes its mtime so that garbage collection sees it as used now. (No
+// collection can delete it in between: the sweep needs the lock exclusively.)
 func (b *Batch) have(h Hash) bool {
 	b.mu.Lock()
 	_, staged := b.pending[h]
@@ -85,12 +105,12 @@ func (b *Batch) have(h Hash) bool {
 	if staged {
 		return true
 	}
-	p := b.s.Path(h)
-	if _, err := os.Lstat(p); err != nil {
+	if _, err := os.Lstat(b.s.Path(h)); err != nil {
 		return false
 	}
-	now := time.Now()
-	_ = os.Chtimes(p, now, now) // best effort: a read-only LunarFS store still works
+	b.mu.Lock()
+	b.reused[h] = struct{}{}
+	b.mu.Unlock()
 	return true
 }
 
@@ -105,7 +125,7 @@ func (b *Batch) stage(h Hash, tmp string) {
 }
 
 func (b *Batch) createTemp() (*os.File, error) {
-	f, err := os.CreateTemp(b.s.tmp, "obj-*")
+	f, err := os.CreateTemp(b.s.tmp, tempPrefix()+"*")
 	if err != nil {
 		return nil, fmt.Errorf("create temp object: %w", err)
 	}
@@ -228,13 +248,42 @@ func (b *Batch) WriteTree(entries []Entry) (Hash, error) {
 // Commit publishes every staged object durably (data synced before the rename, the
 // directory entries synced after it) and releases the lock.
 func (b *Batch) Commit() error {
+	release, err := b.Publish()
+	if release != nil {
+		release()
+	}
+	return err
+}
+
+// Publish is Commit without releasing the GC lock: the caller records what it wrote
+// (a fork's new root) before calling release, so no collection can run between the
+// objects' publication and the record that keeps them. release is nil on error (the
+// lock is released then).
+func (b *Batch) Publish() (release func(), err error) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if b.done {
-		return errors.New("batch already finished")
+		return nil, errors.New("batch already finished")
 	}
 	b.done = true
-	defer b.lock.Close()
+	if err := b.publish(); err != nil {
+		b.lock.Close()
+		return nil, err
+	}
+	lf := b.lock
+	return func() { lf.Close() }, nil
+}
+
+func (b *Batch) publish() error {
+	// Publication time, not write time, is what garbage collection's grace period
+	// must count from: the caller references these objects only after Commit. Reused
+	// objects get the same time, so a new tree is never younger than what it names.
+	now := time.Now()
+	for h := range b.reused {
+		if _, staged := b.pending[h]; !staged {
+			_ = os.Chtimes(b.s.Path(h), now, now) // best effort: a read-only LunarFS store still works
+		}
+	}
 	if len(b.pending) == 0 {
 		return nil
 	}
@@ -250,12 +299,19 @@ func (b *Batch) Commit() error {
 		b.removePending()
 		return err
 	}
-	// Publication time, not write time, is what garbage collection's grace period
-	// must count from: the caller references these objects only after Commit.
-	now := time.Now()
 	dirs := map[string]struct{}{}
 	for h, tmp := range b.pending {
 		_ = os.Chtimes(tmp, now, now)
+		if b.s.objPerm != 0o600 {
+			if err := os.Chmod(tmp, b.s.objPerm); err != nil {
+				b.removePending()
+				return fmt.Errorf("publish object %s: %w", h, err)
+			}
+		}
+		if err := b.s.adopt(tmp); err != nil {
+			b.removePending()
+			return fmt.Errorf("publish object %s: %w", h, err)
+		}
 		final := b.s.Path(h)
 		dir := filepath.Dir(final)
 		if err := b.s.ensureFanout(dir); err != nil {
@@ -303,7 +359,15 @@ func (s *Store) ensureFanout(dir string) error {
 	if _, ok := s.fanout.Load(dir); ok {
 		return nil
 	}
-	if err := os.Mkdir(dir, 0o755); err != nil && !errors.Is(err, fs.ErrExist) {
+	if err := os.Mkdir(dir, s.dirPerm); err == nil {
+		// The umask may have taken bits away; the root directory's mode is the rule.
+		if err := os.Chmod(dir, s.dirPerm); err != nil {
+			return fmt.Errorf("create %s: %w", dir, err)
+		}
+		if err := s.adopt(dir); err != nil {
+			return fmt.Errorf("create %s: %w", dir, err)
+		}
+	} else if !errors.Is(err, fs.ErrExist) {
 		return fmt.Errorf("create %s: %w", dir, err)
 	}
 	s.fanout.Store(dir, struct{}{})

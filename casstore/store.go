@@ -8,6 +8,7 @@ import (
 	"os"
 	"path/filepath"
 	"sync"
+	"syscall"
 	"time"
 
 	"github.com/containerd/errdefs"
@@ -60,20 +61,56 @@ type Store struct {
 	verified sync.Map // Hash -> fileID
 	verifyMu singleflight.Group
 	fanout   sync.Map // "hh" -> struct{}: fan-out directories known to exist
+	deadOnce sync.Once
+	// Who the store belongs to, from its root directory: new fan-out directories and
+	// objects follow it (see Open).
+	dirPerm, objPerm os.FileMode
+	uid, gid         int
+	chown            bool
 }
 
 // Open opens (creating if needed) the store at root. root may be an existing LunarFS
 // store such as ~/.lunar/cas: Tidepool adds only dot-directories beside the fan-out.
+//
+// A store Open creates (and any missing parent, such as Tidepool's ROOT) is 0700:
+// nothing under it is anyone else's business. An existing store keeps its owner and
+// modes: new fan-out directories get the root directory's mode, objects are readable
+// by whoever can read the root directory, and when root writes into another user's
+// store (a LunarFS store given with --store), what it creates is given to that user,
+// so LunarFS keeps working there.
 func Open(root string) (*Store, error) {
 	abs, err := filepath.Abs(root)
 	if err != nil {
 		return nil, fmt.Errorf("open store %s: %w", root, err)
 	}
 	s := &Store{root: abs, tmp: filepath.Join(abs, tmpDirName)}
-	if err := os.MkdirAll(s.tmp, 0o755); err != nil {
+	if err := os.MkdirAll(abs, 0o700); err != nil {
+		return nil, fmt.Errorf("open store %s: %w", root, err)
+	}
+	st, err := os.Stat(abs)
+	if err != nil {
+		return nil, fmt.Errorf("open store %s: %w", root, err)
+	}
+	s.dirPerm = st.Mode().Perm()
+	s.objPerm = 0o600
+	if s.dirPerm&0o044 != 0 {
+		s.objPerm = 0o644
+	}
+	if sys, ok := st.Sys().(*syscall.Stat_t); ok && os.Geteuid() == 0 && sys.Uid != 0 {
+		s.uid, s.gid, s.chown = int(sys.Uid), int(sys.Gid), true
+	}
+	if err := os.Mkdir(s.tmp, 0o700); err != nil && !errors.Is(err, fs.ErrExist) {
 		return nil, fmt.Errorf("open store %s: %w", root, err)
 	}
 	return s, nil
+}
+
+// adopt gives a new file or directory of the store its owner (see Open).
+func (s *Store) adopt(path string) error {
+	if !s.chown {
+		return nil
+	}
+	return os.Lchown(path, s.uid, s.gid)
 }
 
 // Root is the store's directory.

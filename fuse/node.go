@@ -7,6 +7,7 @@ import (
 	"io"
 	"os"
 	"path"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -81,6 +82,10 @@ func (d *dirNode) loadTree(ctx context.Context, h casstore.Hash) (casstore.Tree,
 	t, err := d.v.readTree(ctx, h)
 	if err != nil {
 		return nil, d.v.fail(err, ErrTree, d.path, h, "cannot read directory")
+	}
+	if l := d.v.opts.Limits.WithDefaults(); int64(len(t)) > l.MaxEntries {
+		err := fmt.Errorf("directory has %d entries, more than %d (max_tree_entries): %w", len(t), l.MaxEntries, casstore.ErrTreeLimit)
+		return nil, d.v.fail(err, ErrTree, d.path, h, "refused directory")
 	}
 	d.mu.Lock()
 	d.tree, d.have = t, true
@@ -160,6 +165,12 @@ func (d *dirNode) Lookup(ctx context.Context, name string, out *gofuse.EntryOut)
 	p := name
 	if d.path != "" {
 		p = d.path + "/" + name
+	}
+	if c.mode == casstore.ModeDir {
+		if l := d.v.opts.Limits.WithDefaults(); strings.Count(p, "/")+1 > l.MaxDepth {
+			err := fmt.Errorf("directories nested deeper than %d (max_tree_depth): %w", l.MaxDepth, casstore.ErrTreeLimit)
+			return nil, d.v.fail(err, ErrTree, p, c.hash, "refused directory")
+		}
 	}
 	ino := d.v.inos.ino(p)
 	var node gofs.InodeEmbedder

@@ -52,6 +52,17 @@ type Options struct {
 	// support for no-open the view serves opens as usual (with a warning);
 	// View.NoOpenActive tells which.
 	NoOpen bool
+	// Private mounts the view for the mounting user alone: without FUSE's
+	// allow_other, no other user's process reaches it, whatever the modes say (a
+	// kernel overlay mounted by the same user still reads it, with the mounter's
+	// credentials). Without Private the view allows other users and the kernel
+	// enforces the reported owner and modes (default_permissions), which only ever
+	// grant reading.
+	Private bool
+	// Limits bound what one directory may hold (MaxEntries) and how deep the view
+	// descends (MaxDepth): a directory past them fails with EIO and a log line naming
+	// the limit. Zero fields take casstore's defaults.
+	Limits casstore.Limits
 	// EntryTimeout and AttrTimeout bound kernel caching; zero means DefaultTimeout.
 	// Negative lookups are never cached (late binding needs to see them).
 	EntryTimeout, AttrTimeout time.Duration

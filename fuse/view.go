@@ -136,12 +136,12 @@ func Mount(ctx context.Context, store *casstore.Store, root casstore.Hash, dir s
 	logger := stdlog.New(logWriter{ctx: v.ctx, debug: opts.Debug}, "", 0)
 	fsopts := &gofs.Options{
 		MountOptions: gofuse.MountOptions{
-			AllowOther:       true,
+			AllowOther:       !opts.Private,
 			FsName:           FsName,
 			Name:             FsName,
 			DirectMount:      true,
 			DirectMountFlags: syscall.MS_RDONLY | syscall.MS_NOSUID | syscall.MS_NODEV,
-			Options:          []string{"ro"},
+			Options:          mountOptions(opts),
 			MaxBackground:    maxBackground,
 			MaxWrite:         maxRequest,
 			MaxReadAhead:     maxRequest,
@@ -190,6 +190,16 @@ func Mount(ctx context.Context, store *casstore.Store, root casstore.Hash, dir s
 		"root": root, "prefix": opts.Prefix, "passthrough": v.passthrough.Load(), "noopen": v.noOpen.Load(),
 	}).Debug("view mounted")
 	return v, nil
+}
+
+// mountOptions are the FUSE mount options beyond go-fuse's own. A view that other
+// users may reach has the kernel check the modes it reports (default_permissions):
+// without it, the FUSE server would be asked to check, and go-fuse does not.
+func mountOptions(opts Options) []string {
+	if opts.Private {
+		return []string{"ro"}
+	}
+	return []string{"ro", "default_permissions"}
 }
 
 // checkRoot fails early, with errdefs.ErrNotFound, for a root that is neither local

@@ -6,6 +6,7 @@ import (
 	"net"
 	"time"
 
+	"github.com/containerd/errdefs"
 	"github.com/containerd/errdefs/pkg/errgrpc"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
@@ -76,7 +77,20 @@ func (c *Client) fork(p *apiv1.Fork, err error) (*forks.Fork, error) {
 
 // Create implements forks.Service.
 func (c *Client) Create(ctx context.Context, req forks.CreateRequest) (*forks.Fork, error) {
-	r := &apiv1.CreateForkRequest{Base: req.Base.String(), Label: req.Label, Labels: req.Labels}
+	labels := req.Labels
+	if req.RequestID != "" {
+		// The request id travels as the fork label that records it (forks.RequestIDLabel),
+		// so the daemon's database dedups a retried create.
+		labels = make(map[string]string, len(req.Labels)+1)
+		for k, v := range req.Labels {
+			labels[k] = v
+		}
+		if l, ok := labels[forks.RequestIDLabel]; ok && l != req.RequestID {
+			return nil, fmt.Errorf("request id %q and label %s=%q disagree: %w", req.RequestID, forks.RequestIDLabel, l, errdefs.ErrInvalidArgument)
+		}
+		labels[forks.RequestIDLabel] = req.RequestID
+	}
+	r := &apiv1.CreateForkRequest{Base: req.Base.String(), Label: req.Label, Labels: labels}
 	if req.TTL != 0 {
 		r.Ttl = durationpb.New(req.TTL)
 	}

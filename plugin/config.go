@@ -10,6 +10,7 @@ import (
 	"github.com/pelletier/go-toml/v2"
 
 	"github.com/tidepool-dev/tidepool/binding"
+	"github.com/tidepool-dev/tidepool/casstore"
 )
 
 // DefaultRoot is the state directory when none is configured.
@@ -31,7 +32,10 @@ type Config struct {
 	Snapshotter SnapshotterConfig `toml:"snapshotter"`
 	Views       ViewsConfig       `toml:"views"`
 	Maintenance MaintenanceConfig `toml:"maintenance"`
-	Pools       PoolsConfig       `toml:"pools"`
+	// Limits bound every walk of a tree (views' directories here; the CLI has the same
+	// limits as flags): a tree is a DAG, so a few objects can spell billions of paths.
+	Limits casstore.Limits `toml:"limits"`
+	Pools  PoolsConfig     `toml:"pools"`
 }
 
 // StoreConfig locates the object store.
@@ -107,6 +111,7 @@ func DefaultConfig() *Config {
 			GCInterval:        0,
 			GCGrace:           Duration(time.Hour),
 		},
+		Limits:            casstore.DefaultLimits(),
 		ContainerdAddress: "/run/containerd/containerd.sock",
 		Pools: PoolsConfig{
 			Namespace: "tidepool",

@@ -43,16 +43,23 @@ func NewCore(ctx context.Context, cfg *Config) (_ *Core, retErr error) {
 	if err != nil {
 		return nil, err
 	}
+	if n, err := store.SweepDeadTemp(); err != nil {
+		log.G(ctx).WithError(err).Warn("removing temp files left by dead writers failed")
+	} else if n > 0 {
+		log.G(ctx).WithField("files", n).Info("removed temp files left by dead writers")
+	}
 	db, err := forks.OpenDB(filepath.Join(cfg.Root, "forks.db"), 5*time.Second)
 	if err != nil {
 		return nil, err
 	}
+	db.SetGuard(store) // records of roots and gc's sweep exclude each other
 	defer func() {
 		if retErr != nil {
 			db.Close()
 		}
 	}()
 	views := NewViewHost(store, cfg.Views)
+	views.Limits = cfg.Limits
 	sn, err := snapshotter.New(ctx, snapshotter.Config{
 		Root:         cfg.Root,
 		MountOptions: cfg.Snapshotter.MountOptions,

@@ -22,6 +22,8 @@ type ViewHost struct {
 	store *casstore.Store
 	cfg   ViewsConfig
 	stats *fuse.Stats
+	// Limits bound each view's directories (set by NewCore from Config.Limits).
+	Limits casstore.Limits
 
 	mu    sync.Mutex
 	views map[string]*fuse.View
@@ -63,6 +65,7 @@ func (h *ViewHost) Mount(ctx context.Context, dir string, spec snapshotter.ViewS
 		EntryTimeout:       time.Duration(h.cfg.EntryTimeout),
 		AttrTimeout:        time.Duration(h.cfg.AttrTimeout),
 		Stats:              h.stats,
+		Limits:             h.Limits,
 	})
 	if err != nil {
 		return err

@@ -33,6 +33,9 @@ type Options struct {
 	// Prefix places the tree under DIR/Prefix instead of DIR itself: a relative,
 	// '/'-separated path without "." or ".." components.
 	Prefix string
+	// Limits bound the tree: one past them is refused before anything is written
+	// (zero fields: casstore's defaults).
+	Limits casstore.Limits
 }
 
 // Stats counts what a checkout created.
@@ -51,6 +54,11 @@ func Checkout(ctx context.Context, s *casstore.Store, root casstore.Hash, dir st
 	prefix, err := SplitPrefix(opts.Prefix)
 	if err != nil {
 		return Stats{}, err
+	}
+	// Other errors (a missing or corrupt object) are left to the walk, which names
+	// the path they are at.
+	if _, err := casstore.Measure(ctx, s, root, opts.Limits, true); errors.Is(err, casstore.ErrTreeLimit) || ctx.Err() != nil {
+		return Stats{}, fmt.Errorf("checkout %s: %w", root.Short(), err)
 	}
 	undo, err := prepare(dir)
 	if err != nil {

@@ -20,6 +20,8 @@ import (
 var (
 	bucketForks = []byte("forks")
 	bucketPins  = []byte("pins")
+	// bucketRequests maps a create's request id to the fork it made.
+	bucketRequests = []byte("requests")
 )
 
 // ErrLocked says another process (normally tidepoold) holds the database open.
@@ -28,8 +30,49 @@ var ErrLocked = errors.New("fork database is in use by another process")
 // DB is the bbolt-backed fork store. bbolt allows one process at a time, which is why
 // the CLI talks to tidepoold's API while the daemon runs.
 type DB struct {
-	db  *bolt.DB
-	now func() time.Time
+	db    *bolt.DB
+	now   func() time.Time
+	guard Guard
+}
+
+// Guard keeps garbage collection from sweeping while a record that names a root is
+// written, and says whether the root is stored. *casstore.Store implements it.
+type Guard interface {
+	Hold() (release func(), err error)
+	Has(h casstore.Hash) (bool, error)
+}
+
+// SetGuard makes every record that names a root (Create, Advance, Pin) check, under
+// g's lock, that the root is stored before it is written. Garbage collection reads
+// the live roots under the same lock exclusively, so a root is either recorded
+// before a collection looks, or already swept and refused here: a record never
+// names a collected root. Without a guard nothing is checked (tests, tools).
+func (d *DB) SetGuard(g Guard) { d.guard = g }
+
+// ErrRootGone says a record would name a root that is not in the store (never
+// stored, or collected before the record was written).
+var ErrRootGone = fmt.Errorf("root is not in the store: %w", errdefs.ErrNotFound)
+
+// guarded runs write under the guard's lock after checking that root is stored.
+func (d *DB) guarded(root casstore.Hash, write func() error) error {
+	if d.guard == nil {
+		return write()
+	}
+	release, err := d.guard.Hold()
+	if err != nil {
+		return err
+	}
+	defer release()
+	if root != casstore.EmptyHash {
+		ok, err := d.guard.Has(root)
+		if err != nil {
+			return err
+		}
+		if !ok {
+			return fmt.Errorf("%s: %w (garbage collection may have removed it: store it again)", root, ErrRootGone)
+		}
+	}
+	return write()
 }
 
 var _ Service = (*DB)(nil)
@@ -37,7 +80,7 @@ var _ Service = (*DB)(nil)
 // OpenDB opens (creating if needed) the database at path, waiting at most timeout for
 // another process to let go of it.
 func OpenDB(path string, timeout time.Duration) (*DB, error) {
-	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+	if err := os.MkdirAll(filepath.Dir(path), 0o700); err != nil {
 		return nil, fmt.Errorf("open fork database: %w", err)
 	}
 	db, err := bolt.Open(path, 0o600, &bolt.Options{Timeout: timeout})
@@ -48,7 +91,7 @@ func OpenDB(path string, timeout time.Duration) (*DB, error) {
 		return nil, fmt.Errorf("open fork database %s: %w", path, err)
 	}
 	err = db.Update(func(tx *bolt.Tx) error {
-		for _, b := range [][]byte{bucketForks, bucketPins} {
+		for _, b := range [][]byte{bucketForks, bucketPins, bucketRequests} {
 			if _, err := tx.CreateBucketIfNotExists(b); err != nil {
 				return err
 			}
@@ -85,7 +128,9 @@ func putFork(tx *bolt.Tx, f *Fork) error {
 	return tx.Bucket(bucketForks).Put([]byte(f.ID), v)
 }
 
-// Create writes one record: O(1) whatever the size of the tree.
+// Create writes one record: O(1) whatever the size of the tree. With a request id
+// that an earlier create already used, it returns that create's fork (same base
+// required) and writes nothing.
 func (d *DB) Create(_ context.Context, req CreateRequest) (*Fork, error) {
 	if req.TTL < 0 {
 		return nil, fmt.Errorf("fork ttl %s is negative: %w", req.TTL, errdefs.ErrInvalidArgument)
@@ -93,21 +138,68 @@ func (d *DB) Create(_ context.Context, req CreateRequest) (*Fork, error) {
 	if req.Base.IsZero() {
 		return nil, fmt.Errorf("fork needs a base root: %w", errdefs.ErrInvalidArgument)
 	}
+	rid, err := req.requestID()
+	if err != nil {
+		return nil, fmt.Errorf("create fork: %w", err)
+	}
+	labels := req.Labels
+	if rid != "" && labels[RequestIDLabel] == "" {
+		labels = make(map[string]string, len(req.Labels)+1)
+		for k, v := range req.Labels {
+			labels[k] = v
+		}
+		labels[RequestIDLabel] = rid
+	}
 	now := d.now().UTC()
 	f := &Fork{
 		ID: NewID(), Label: req.Label, Base: req.Base, Root: req.Base,
-		Created: now, Updated: now, TTL: Duration(req.TTL), Labels: req.Labels,
+		Created: now, Updated: now, TTL: Duration(req.TTL), Labels: labels,
 	}
-	err := d.db.Update(func(tx *bolt.Tx) error {
-		if tx.Bucket(bucketForks).Get([]byte(f.ID)) != nil {
-			return fmt.Errorf("fork id collision %s: %w", f.ID, errdefs.ErrAlreadyExists)
-		}
-		return putFork(tx, f)
+	err = d.guarded(req.Base, func() error {
+		return d.db.Update(func(tx *bolt.Tx) error {
+			if rid != "" {
+				if id := tx.Bucket(bucketRequests).Get([]byte(rid)); id != nil {
+					prev, err := getFork(tx, string(id))
+					if err != nil {
+						return fmt.Errorf("request %s already made fork %s, which no longer exists: %w", rid, id, errdefs.ErrAlreadyExists)
+					}
+					if prev.Base != req.Base {
+						return fmt.Errorf("request %s already made fork %s of another base (%s): %w", rid, id, prev.Base.Short(), errdefs.ErrAlreadyExists)
+					}
+					f = prev
+					return nil
+				}
+				if err := tx.Bucket(bucketRequests).Put([]byte(rid), []byte(f.ID)); err != nil {
+					return err
+				}
+			}
+			if tx.Bucket(bucketForks).Get([]byte(f.ID)) != nil {
+				return fmt.Errorf("fork id collision %s: %w", f.ID, errdefs.ErrAlreadyExists)
+			}
+			return putFork(tx, f)
+		})
 	})
 	if err != nil {
 		return nil, fmt.Errorf("create fork: %w", err)
 	}
 	return f, nil
+}
+
+// forgetRequest drops the request id index entry of a fork being removed.
+func forgetRequest(tx *bolt.Tx, id []byte) {
+	v := tx.Bucket(bucketForks).Get(id)
+	if v == nil {
+		return
+	}
+	var f Fork
+	if json.Unmarshal(v, &f) != nil {
+		return
+	}
+	if rid := f.Labels[RequestIDLabel]; rid != "" {
+		if got := tx.Bucket(bucketRequests).Get([]byte(rid)); string(got) == string(id) {
+			_ = tx.Bucket(bucketRequests).Delete([]byte(rid))
+		}
+	}
 }
 
 // Get finds a fork by id, then by label.
@@ -171,6 +263,7 @@ func (d *DB) Remove(_ context.Context, id string) error {
 		if tx.Bucket(bucketForks).Get([]byte(id)) == nil {
 			return notFound(id)
 		}
+		forgetRequest(tx, []byte(id))
 		return tx.Bucket(bucketForks).Delete([]byte(id))
 	})
 }
@@ -178,25 +271,27 @@ func (d *DB) Remove(_ context.Context, id string) error {
 // Advance records a new root, pushing the old one onto the history.
 func (d *DB) Advance(_ context.Context, id string, expect, newRoot casstore.Hash, reason string) (*Fork, error) {
 	var out *Fork
-	err := d.db.Update(func(tx *bolt.Tx) error {
-		f, err := getFork(tx, id)
-		if err != nil {
-			return err
-		}
-		if !expect.IsZero() && f.Root != expect {
-			return fmt.Errorf("fork %s is at %s, not %s: %w", id, f.Root.Short(), expect.Short(), ErrConflict)
-		}
-		now := d.now().UTC()
-		if newRoot != f.Root {
-			f.History = append(f.History, Revision{Root: f.Root, Time: f.Updated, Reason: reason})
-			if n := len(f.History); n > HistoryLimit {
-				f.History = append([]Revision(nil), f.History[n-HistoryLimit:]...)
+	err := d.guarded(newRoot, func() error {
+		return d.db.Update(func(tx *bolt.Tx) error {
+			f, err := getFork(tx, id)
+			if err != nil {
+				return err
 			}
-			f.Root = newRoot
-		}
-		f.Updated = now
-		out = f
-		return putFork(tx, f)
+			if !expect.IsZero() && f.Root != expect {
+				return fmt.Errorf("fork %s is at %s, not %s: %w", id, f.Root.Short(), expect.Short(), ErrConflict)
+			}
+			now := d.now().UTC()
+			if newRoot != f.Root {
+				f.History = append(f.History, Revision{Root: f.Root, Time: f.Updated, Reason: reason})
+				if n := len(f.History); n > HistoryLimit {
+					f.History = append([]Revision(nil), f.History[n-HistoryLimit:]...)
+				}
+				f.Root = newRoot
+			}
+			f.Updated = now
+			out = f
+			return putFork(tx, f)
+		})
 	})
 	if err != nil {
 		return nil, fmt.Errorf("advance fork %s: %w", id, err)
@@ -221,6 +316,7 @@ func (d *DB) Sweep(now time.Time) ([]string, error) {
 			return err
 		}
 		for _, k := range expired {
+			forgetRequest(tx, k)
 			if err := b.Delete(k); err != nil {
 				return err
 			}
@@ -239,8 +335,10 @@ func (d *DB) Pin(name string, root casstore.Hash) error {
 	if name == "" {
 		return fmt.Errorf("pin needs a name: %w", errdefs.ErrInvalidArgument)
 	}
-	return d.db.Update(func(tx *bolt.Tx) error {
-		return tx.Bucket(bucketPins).Put([]byte(name), root[:])
+	return d.guarded(root, func() error {
+		return d.db.Update(func(tx *bolt.Tx) error {
+			return tx.Bucket(bucketPins).Put([]byte(name), root[:])
+		})
 	})
 }
 

@@ -52,6 +52,35 @@ type CreateRequest struct {
 	Label  string
 	TTL    time.Duration
 	Labels map[string]string
+	// RequestID makes the create idempotent: a second create with the same id
+	// returns the fork the first one made instead of a duplicate, so a client that
+	// lost its answer (the daemon died mid-call) can simply retry. It is kept on the
+	// fork as the label RequestIDLabel, which is how it crosses the API.
+	RequestID string
+}
+
+// RequestIDLabel is the fork label holding the request id that created the fork.
+const RequestIDLabel = "tidepool.dev/request-id"
+
+// NewRequestID returns a fresh random request id.
+func NewRequestID() string {
+	var b [16]byte
+	if _, err := rand.Read(b[:]); err != nil {
+		panic(fmt.Sprintf("crypto/rand failed: %v", err))
+	}
+	return hex.EncodeToString(b[:])
+}
+
+// requestID is the request id of req, from the field or the label; they must agree.
+func (req *CreateRequest) requestID() (string, error) {
+	l := req.Labels[RequestIDLabel]
+	switch {
+	case req.RequestID == "":
+		return l, nil
+	case l == "" || l == req.RequestID:
+		return req.RequestID, nil
+	}
+	return "", fmt.Errorf("request id %q and label %s=%q disagree: %w", req.RequestID, RequestIDLabel, l, errdefs.ErrInvalidArgument)
 }
 
 // Service is what the CLI, the snapshotter and the local API need from fork records.

@@ -67,6 +67,10 @@ type Report struct {
 	Missing     []gc.Problem // reachable objects not in the store
 	Undecodable []gc.Problem // reachable trees Tidepool's codec refuses
 	Unreadable  []gc.Problem // reachable trees that are corrupt or cannot be parsed at all
+	// Leftovers are staged temp files whose writer no longer runs (a process killed
+	// mid-ingest). They are not objects and harm nothing but space; the next writer
+	// or tidepoold's start removes them.
+	Leftovers []casstore.TempFile
 }
 
 // Healthy reports whether the check found nothing wrong.
@@ -79,6 +83,15 @@ func (r *Report) Healthy() bool {
 // (I/O on the store, cancellation); problems with objects are in the report.
 func Check(ctx context.Context, s *casstore.Store, src gc.RootSource, opts Options) (*Report, error) {
 	r := &Report{}
+	temps, err := s.TempFiles()
+	if err != nil {
+		return r, fmt.Errorf("fsck: %w", err)
+	}
+	for _, t := range temps {
+		if !t.Alive {
+			r.Leftovers = append(r.Leftovers, t)
+		}
+	}
 	if err := r.verifyAll(ctx, s, opts.Workers); err != nil {
 		return r, err
 	}
@@ -184,7 +197,7 @@ func (r *Report) quarantine(s *casstore.Store) error {
 	}
 	defer unlock()
 	dir := filepath.Join(s.Root(), casstore.QuarantineDirName)
-	if err := os.MkdirAll(dir, 0o755); err != nil {
+	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return fmt.Errorf("fsck: %w", err)
 	}
 	stamp := strconv.FormatInt(time.Now().UnixNano(), 10)

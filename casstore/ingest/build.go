@@ -6,6 +6,7 @@ import (
 	"os"
 	"sync"
 
+	"github.com/containerd/log"
 	"golang.org/x/sync/errgroup"
 
 	"github.com/tidepool-dev/tidepool/casstore"
@@ -107,10 +108,18 @@ func build(ctx context.Context, store *casstore.Store, opts Options, walk func(b
 	if err := ctx.Err(); err != nil {
 		return casstore.Hash{}, Stats{}, err
 	}
-	if err := batch.Commit(); err != nil {
+	release, err := batch.Publish()
+	committed = true
+	if err != nil {
 		return casstore.Hash{}, Stats{}, fmt.Errorf("commit objects: %w", err)
 	}
-	committed = true
+	if opts.Record != nil {
+		err = opts.Record(h)
+	}
+	release()
+	if err != nil {
+		return casstore.Hash{}, Stats{}, err
+	}
 	b.c.report(true)
 	return h, b.c.stats(), nil
 }
@@ -192,6 +201,32 @@ func (q *jobQueue) pop() (j fileJob, ok bool) {
 		q.items, q.head = q.items[:0], 0
 	}
 	return j, true
+}
+
+// special handles a FIFO, socket or device node: refused with Strict, else dropped,
+// counted and logged (a tree has no way to hold it).
+func (b *builder) special(path string, mode os.FileMode) error {
+	if b.opts.Strict {
+		return fmt.Errorf("%s (%s): %w", path, kindOf(mode), ErrSpecialFile)
+	}
+	b.c.skipped++
+	b.c.special++
+	log.G(b.ctx).WithField("path", path).WithField("type", kindOf(mode)).Warn("special file left out: trees cannot hold it")
+	return nil
+}
+
+func kindOf(mode os.FileMode) string {
+	switch {
+	case mode&os.ModeNamedPipe != 0:
+		return "FIFO"
+	case mode&os.ModeSocket != 0:
+		return "socket"
+	case mode&os.ModeCharDevice != 0:
+		return "character device"
+	case mode&os.ModeDevice != 0:
+		return "block device"
+	}
+	return "special file"
 }
 
 // symlink stores a link's target bytes as a blob.

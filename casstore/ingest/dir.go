@@ -116,8 +116,12 @@ func (b *builder) walkDir(path string) (*dirNode, error) {
 				return nil, err
 			}
 			n.children = append(n.children, child{name: lossyName(name), raw: name, mode: casstore.ModeSymlink, hash: h})
-		default: // FIFOs, sockets, devices; symlinks with LunarStrict
+		case t&fs.ModeSymlink != 0: // with LunarStrict
 			b.c.skipped++
+		default: // FIFOs, sockets, devices
+			if err := b.special(p, t); err != nil {
+				return nil, err
+			}
 		}
 	}
 	if err := checkCollisions(path, n.children); err != nil {

@@ -70,8 +70,8 @@ func TestDirRules(t *testing.T) {
 		t.Fatalf("strict root %s, want %s\n%s", got, wantStrict, strings.Join(listing(t, s, got), "\n"))
 	}
 	// 4 files; dirs: root, deep, sub, empty, emptier; skipped: 2 .git, 1 .git file,
-	// fifo, socket, 2 symlinks.
-	want := Stats{Files: 4, Dirs: 5, Skipped: 7, Bytes: int64(2*len("#!/bin/sh\n") + len("text") + len("*.o\n"))}
+	// fifo, socket, 2 symlinks; of those, fifo and socket are special files.
+	want := Stats{Files: 4, Dirs: 5, Skipped: 7, Special: 2, Bytes: int64(2*len("#!/bin/sh\n") + len("text") + len("*.o\n"))}
 	if st != want {
 		t.Errorf("strict stats %+v, want %+v", st, want)
 	}

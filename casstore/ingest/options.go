@@ -7,6 +7,8 @@ import (
 	"time"
 
 	"github.com/containerd/errdefs"
+
+	"github.com/tidepool-dev/tidepool/casstore"
 )
 
 // Options tunes an ingest. The zero value is Tidepool's default mode.
@@ -15,6 +17,10 @@ type Options struct {
 	// so the root equals what `lunar ingest` prints for the same directory. Without
 	// it, symlinks become casstore.ModeSymlink entries whose blob is the link target.
 	LunarStrict bool
+	// Strict refuses FIFOs, sockets and device nodes (other than overlay whiteouts)
+	// with ErrSpecialFile instead of dropping them: trees cannot hold them, and a
+	// caller that must not lose anything silently asks for the error.
+	Strict bool
 	// Workers bounds how many files are hashed and stored at once; 0 picks a default
 	// suited to the machine (file IO overlaps hashing, so a few more than the CPUs).
 	Workers int
@@ -22,6 +28,11 @@ type Options struct {
 	// most every ProgressInterval, from one goroutine at a time) and once more at the
 	// end. It must return quickly: it runs on the ingest's workers.
 	Progress func(Progress)
+	// Record, if set, is called with the new root after its objects are published
+	// and before the store's GC lock is released, so whatever it records (a fork's
+	// new root) is live before any garbage collection can look. Its error is the
+	// ingest's error; the objects stay published (unreferenced, for gc).
+	Record func(root casstore.Hash) error
 }
 
 // ProgressInterval is the minimum time between two Progress calls (the final call is
@@ -45,6 +56,7 @@ type Stats struct {
 	Dirs     int64 // directories ingested, the root included
 	Symlinks int64 // symlinks recorded (always 0 with LunarStrict)
 	Skipped  int64 // entries left out: .git, FIFOs, sockets, devices, and symlinks with LunarStrict
+	Special  int64 // of Skipped, the FIFOs, sockets and device nodes (each logged at warning level)
 	Bytes    int64 // total size of the regular files
 }
 
@@ -52,6 +64,10 @@ type Stats struct {
 // become the same name once converted to UTF-8. LunarFS would write both as duplicate
 // entries; Tidepool's tree codec refuses duplicates on read, so it never writes them.
 var ErrNameCollision = fmt.Errorf("names collide after conversion to UTF-8: %w", errdefs.ErrInvalidArgument)
+
+// ErrSpecialFile is wrapped by the error for a FIFO, socket or device node met with
+// Options.Strict.
+var ErrSpecialFile = fmt.Errorf("special file (FIFO, socket or device) cannot be stored: %w", errdefs.ErrInvalidArgument)
 
 // ErrRedirect is wrapped by Upper's error for an upper directory that relies on
 // overlayfs's redirect_dir feature (renamed directories pointing at their lower
@@ -69,7 +85,7 @@ type counters struct {
 	walkDone               atomic.Bool
 
 	// Walker-only counters: read after the walk has finished.
-	dirs, symlinks, skipped int64
+	dirs, symlinks, skipped, special int64
 
 	cb   func(Progress)
 	mu   sync.Mutex
@@ -107,6 +123,7 @@ func (c *counters) stats() Stats {
 		Dirs:     c.dirs,
 		Symlinks: c.symlinks,
 		Skipped:  c.skipped,
+		Special:  c.special,
 		Bytes:    c.bytes.Load(),
 	}
 }

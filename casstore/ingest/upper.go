@@ -38,27 +38,33 @@ import (
 // directory. Like Dir, Upper writes through one batch and leaves the store unchanged on
 // error.
 func Upper(ctx context.Context, store *casstore.Store, base casstore.Hash, upperDir, prefix string, opts Options) (casstore.Hash, error) {
+	h, _, err := UpperStats(ctx, store, base, upperDir, prefix, opts)
+	return h, err
+}
+
+// UpperStats is Upper, also returning what was stored and what was left out.
+func UpperStats(ctx context.Context, store *casstore.Store, base casstore.Hash, upperDir, prefix string, opts Options) (casstore.Hash, Stats, error) {
 	if err := ValidatePrefix(prefix); err != nil {
-		return casstore.Hash{}, fmt.Errorf("commit %s: %w", upperDir, err)
+		return casstore.Hash{}, Stats{}, fmt.Errorf("commit %s: %w", upperDir, err)
 	}
 	if base.IsZero() {
-		return casstore.Hash{}, fmt.Errorf("commit %s: no base root: %w", upperDir, errInvalid)
+		return casstore.Hash{}, Stats{}, fmt.Errorf("commit %s: no base root: %w", upperDir, errInvalid)
 	}
 	root, err := canonicalDir(upperDir)
 	if err != nil {
-		return casstore.Hash{}, fmt.Errorf("commit %s: %w", upperDir, err)
+		return casstore.Hash{}, Stats{}, fmt.Errorf("commit %s: %w", upperDir, err)
 	}
 	if prefix == "." {
 		prefix = ""
 	}
-	h, _, err := build(ctx, store, opts, func(b *builder) (*dirNode, error) {
+	h, st, err := build(ctx, store, opts, func(b *builder) (*dirNode, error) {
 		b.base, b.prefix = base, prefix
 		return b.upperPrefix(ctx, base, root, prefix)
 	})
 	if err != nil {
-		return casstore.Hash{}, fmt.Errorf("commit %s over %s: %w", upperDir, base.Short(), err)
+		return casstore.Hash{}, Stats{}, fmt.Errorf("commit %s over %s: %w", upperDir, base.Short(), err)
 	}
-	return h, nil
+	return h, st, nil
 }
 
 // upperPrefix finds what became of the prefix directory in the upper and merges it.
@@ -188,8 +194,15 @@ func (b *builder) mergeDir(path string, base casstore.Tree) (*dirNode, error) {
 		default:
 			// A whiteout (char device 0/0) deletes; any other special file, or a symlink
 			// with LunarStrict, hides the base entry and is skipped as Dir would.
-			if st, ok := info.Sys().(*syscall.Stat_t); !(ok && mode&fs.ModeCharDevice != 0 && st.Rdev == 0) {
+			st, ok := info.Sys().(*syscall.Stat_t)
+			switch {
+			case ok && mode&fs.ModeCharDevice != 0 && st.Rdev == 0: // whiteout
+			case mode&fs.ModeSymlink != 0:
 				b.c.skipped++
+			default:
+				if err := b.special(p, mode); err != nil {
+					return nil, err
+				}
 			}
 		}
 	}

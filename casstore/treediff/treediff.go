@@ -16,6 +16,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"sort"
+	"strings"
 
 	"github.com/tidepool-dev/tidepool/casstore"
 )
@@ -80,10 +81,18 @@ var _ TreeReader = (*casstore.Store)(nil)
 // paths (a deletion before an addition at the same path). Only subtrees that differ
 // are read; equal roots read nothing.
 func Diff(ctx context.Context, r TreeReader, a, b casstore.Hash) ([]Change, error) {
+	return DiffLimited(ctx, r, a, b, casstore.Limits{})
+}
+
+// DiffLimited is Diff under walk limits: it fails with casstore.ErrTreeLimit once the
+// trees it expands (and the changes it lists) pass l.MaxEntries or nest past
+// l.MaxDepth, and with ctx's error once ctx is done. Tree objects are read once each
+// (memoized by hash), so subtrees shared across paths cost one read.
+func DiffLimited(ctx context.Context, r TreeReader, a, b casstore.Hash, l casstore.Limits) ([]Change, error) {
 	if a == b {
 		return nil, nil
 	}
-	d := &differ{ctx: ctx, r: r}
+	d := &differ{ctx: ctx, r: r, budget: casstore.NewBudget(ctx, l), cache: map[casstore.Hash]casstore.Tree{}}
 	if err := d.trees("", a, b); err != nil {
 		return nil, err
 	}
@@ -107,18 +116,35 @@ func rank(s byte) int {
 }
 
 type differ struct {
-	ctx context.Context
-	r   TreeReader
-	out []Change
+	ctx    context.Context
+	r      TreeReader
+	out    []Change
+	budget *casstore.Budget
+	cache  map[casstore.Hash]casstore.Tree
 }
+
+// maxCachedTrees bounds the memo of decoded trees.
+const maxCachedTrees = 1 << 16
 
 func (d *differ) read(path string, h casstore.Hash) (casstore.Tree, error) {
 	if err := d.ctx.Err(); err != nil {
 		return nil, err
 	}
-	t, err := d.r.ReadTree(h)
-	if err != nil {
-		return nil, fmt.Errorf("diff: read tree %s at %s: %w", h, display(path), err)
+	if err := d.budget.Depth(strings.Count(path, "/") + 1); err != nil && path != "" {
+		return nil, fmt.Errorf("diff at %s: %w", display(path), err)
+	}
+	t, ok := d.cache[h]
+	if !ok {
+		var err error
+		if t, err = d.r.ReadTree(h); err != nil {
+			return nil, fmt.Errorf("diff: read tree %s at %s: %w", h, display(path), err)
+		}
+		if len(d.cache) < maxCachedTrees {
+			d.cache[h] = t
+		}
+	}
+	if err := d.budget.Entries(len(t)); err != nil {
+		return nil, fmt.Errorf("diff at %s: %w", display(path), err)
 	}
 	return t, nil
 }
@@ -171,6 +197,9 @@ func (d *differ) entry(path string, ea, eb casstore.Entry) error {
 		if ea.Mode != eb.Mode {
 			st = TypeMode
 		}
+		if err := d.budget.Entries(1); err != nil {
+			return fmt.Errorf("diff at %s: %w", display(path), err)
+		}
 		d.out = append(d.out, Change{Status: st, Path: path, OldMode: ea.Mode, NewMode: eb.Mode, OldHash: ea.Hash, NewHash: eb.Hash})
 		return nil
 	default:
@@ -197,6 +226,9 @@ func (d *differ) expand(st byte, path string, e casstore.Entry) error {
 			}
 			return nil
 		}
+	}
+	if err := d.budget.Entries(1); err != nil {
+		return fmt.Errorf("diff at %s: %w", display(path), err)
 	}
 	c := Change{Status: st, Path: path}
 	if st == Deleted {

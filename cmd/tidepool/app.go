@@ -28,6 +28,7 @@ type app struct {
 	logLevel string
 
 	apiAddress string
+	limits     casstore.Limits
 
 	store   *casstore.Store
 	forks   forks.Service
@@ -56,6 +57,10 @@ func newRootCommand() *cobra.Command {
 	f.StringVar(&a.storeDir, "store", "", "object store directory, overriding ROOT/cas (e.g. a LunarFS store, ~/.lunar/cas)")
 	f.StringVar(&a.logLevel, "log-level", "warn", "log level on stderr (debug, info, warn, error)")
 	f.StringVar(&a.apiAddress, "api-address", "", "tidepoold API socket (default: the one recorded in ROOT/tidepoold.json while a daemon runs)")
+	d := casstore.DefaultLimits()
+	f.Int64Var(&a.limits.MaxEntries, "max-tree-entries", d.MaxEntries, "refuse to walk a tree that expands to more entries (paths) than this")
+	f.IntVar(&a.limits.MaxDepth, "max-tree-depth", d.MaxDepth, "refuse to walk a tree nested deeper than this")
+	f.Int64Var(&a.limits.MaxBytes, "max-tree-bytes", d.MaxBytes, "refuse to check out a tree holding more bytes of file content than this")
 	for _, add := range commands {
 		cmd.AddCommand(add(a))
 	}
@@ -107,6 +112,7 @@ func (a *app) openForks(ctx context.Context) (forks.Service, error) {
 		}
 		return nil, err
 	}
+	db.SetGuard(storeGuard{a})
 	if gone, err := db.Sweep(time.Now()); err != nil {
 		log.G(ctx).WithError(err).Warn("sweeping expired forks failed")
 	} else if len(gone) > 0 {
@@ -115,6 +121,26 @@ func (a *app) openForks(ctx context.Context) (forks.Service, error) {
 	a.forks, a.db = db, db
 	a.closers = append(a.closers, db.Close)
 	return db, nil
+}
+
+// storeGuard opens the store only when a record that names a root is written, so
+// commands that only read fork records do not create a store.
+type storeGuard struct{ a *app }
+
+func (g storeGuard) Hold() (func(), error) {
+	s, err := g.a.openStore()
+	if err != nil {
+		return nil, err
+	}
+	return s.Hold()
+}
+
+func (g storeGuard) Has(h casstore.Hash) (bool, error) {
+	s, err := g.a.openStore()
+	if err != nil {
+		return false, err
+	}
+	return s.Has(h)
 }
 
 // daemonState is what tidepoold writes to ROOT/tidepoold.json while it runs.

@@ -25,6 +25,7 @@ With --prefix P the tree lands in DIR/P. On failure nothing is left behind.`,
 			if err != nil {
 				return err
 			}
+			opts.Limits = a.limits
 			st, err := checkout.Checkout(ctx, s, t.Root, args[1], opts)
 			if err != nil {
 				return err

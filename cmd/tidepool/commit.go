@@ -4,8 +4,11 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/containerd/errdefs"
 	"github.com/spf13/cobra"
 
+	"github.com/tidepool-dev/tidepool/casstore"
+	"github.com/tidepool-dev/tidepool/casstore/forks"
 	"github.com/tidepool-dev/tidepool/casstore/ingest"
 )
 
@@ -13,7 +16,7 @@ func init() { commands = append(commands, newCommitCommand) }
 
 func newCommitCommand(a *app) *cobra.Command {
 	var base, upper, prefix string
-	var strict bool
+	var strict, noSpecial bool
 	cmd := &cobra.Command{
 		Use:   "commit --base ROOT|FORK --upper DIR [--prefix P] [--lunar-strict]",
 		Short: "Record an overlay upper directory's changes on top of a root or fork",
@@ -39,19 +42,37 @@ fork is advanced to the new root, provided nobody moved it since it was read.`,
 			stderr := cmd.ErrOrStderr()
 			bar := newProgressBar(stderr, "committing")
 			start := time.Now()
-			root, err := ingest.Upper(ctx, store, target.Root, upper, prefix, ingest.Options{LunarStrict: strict, Progress: bar.update})
+			opts := ingest.Options{LunarStrict: strict, Strict: noSpecial, Progress: bar.update}
+			if f := target.Fork; f != nil {
+				// The fork moves while the new objects are still held against garbage
+				// collection, so a collection can never sweep them before they are live.
+				// A retry after a lost answer is safe: the advance is a compare-and-swap,
+				// and a fork found at the new root already took it.
+				opts.Record = func(root casstore.Hash) error {
+					retried := false
+					err := a.retryLost(ctx, func(svc forks.Service) error {
+						_, err := svc.Advance(ctx, f.ID, target.Root, root, "commit")
+						if err != nil && retried && errdefs.IsFailedPrecondition(err) {
+							if cur, gerr := svc.Get(ctx, f.ID); gerr == nil && cur.Root == root {
+								return nil
+							}
+						}
+						retried = true
+						return err
+					})
+					if err != nil {
+						return fmt.Errorf("%w (the new root %s is stored but not recorded)", err, root)
+					}
+					return nil
+				}
+			}
+			root, st, err := ingest.UpperStats(ctx, store, target.Root, upper, prefix, opts)
 			bar.done()
 			if err != nil {
 				return err
 			}
+			warnSpecial(stderr, st.Special)
 			if f := target.Fork; f != nil {
-				svc, err := a.openForks(ctx)
-				if err != nil {
-					return err
-				}
-				if _, err := svc.Advance(ctx, f.ID, target.Root, root, "commit"); err != nil {
-					return fmt.Errorf("%w (the new root %s is stored but not recorded)", err, root)
-				}
 				fmt.Fprintf(stderr, "fork %s: %s -> %s in %s\n", f.ID, target.Root.Short(), root.Short(), time.Since(start).Round(time.Millisecond))
 			} else {
 				fmt.Fprintf(stderr, "committed %s over %s in %s\n", upper, target.Root.Short(), time.Since(start).Round(time.Millisecond))
@@ -65,6 +86,7 @@ fork is advanced to the new root, provided nobody moved it since it was read.`,
 	f.StringVar(&upper, "upper", "", "overlayfs upper directory holding the changes (required)")
 	f.StringVar(&prefix, "prefix", "", `where the tree sits inside the upper, e.g. "app" ("" = the upper's root)`)
 	f.BoolVar(&strict, "lunar-strict", false, "LunarFS rules: symlinks are dropped (the base must be a --lunar-strict root)")
+	f.BoolVar(&noSpecial, "strict", false, "refuse FIFOs, sockets and device nodes in the upper instead of leaving them out")
 	_ = cmd.MarkFlagRequired("base")
 	_ = cmd.MarkFlagRequired("upper")
 	return cmd

@@ -36,7 +36,7 @@ null for the side that does not exist.`,
 			if err != nil {
 				return err
 			}
-			changes, err := treediff.Diff(ctx, s, ta.Root, tb.Root)
+			changes, err := treediff.DiffLimited(ctx, s, ta.Root, tb.Root, a.limits)
 			if err != nil {
 				return err
 			}

@@ -48,13 +48,19 @@ size; the root must be in the store. The new fork id goes to stdout.`,
 					return fmt.Errorf("root %s is not in the store %s: %w", t.Root, s.Root(), errdefs.ErrNotFound)
 				}
 			}
-			svc, err := a.openForks(ctx)
-			if err != nil {
-				return err
-			}
 			req.Base = t.Root
-			f, err := svc.Create(ctx, req)
+			if req.RequestID == "" {
+				req.RequestID = forks.NewRequestID()
+			}
+			var f *forks.Fork
+			err = a.retryLost(ctx, func(svc forks.Service) error {
+				f, err = svc.Create(ctx, req)
+				return err
+			})
 			if err != nil {
+				if errdefs.IsUnavailable(err) {
+					return fmt.Errorf("%w: the fork may have been created; run again with --request-id %s to get it without making a duplicate", err, req.RequestID)
+				}
 				return err
 			}
 			fmt.Fprintln(cmd.OutOrStdout(), f.ID)
@@ -65,6 +71,7 @@ size; the root must be in the store. The new fork id goes to stdout.`,
 	fl.StringVar(&req.Label, "label", "", "a name to find the fork by (need not be unique)")
 	fl.DurationVar(&req.TTL, "ttl", 0, "remove the fork this long after its creation (0: never)")
 	fl.StringArrayVar(&kvs, "label-kv", nil, "attach a key=value label (repeatable)")
+	fl.StringVar(&req.RequestID, "request-id", "", "make the create idempotent: a fork made earlier with this id is returned instead of a new one (default: a fresh id, also used by automatic retries)")
 	return cmd
 }
 

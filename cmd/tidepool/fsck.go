@@ -23,6 +23,8 @@ on stdout, one per line:
   missing blob|tree HASH at ROOT:PATH: ...
   undecodable tree HASH at ROOT:PATH: ... (a tree Tidepool's codec refuses)
   unreadable tree HASH at ROOT:PATH: ...   (a reachable tree that cannot be read)
+  leftover temp file PATH ...              (staged by a process that died; harmless,
+                                            removed by the next writer or tidepoold's start)
 With --quarantine, corrupt objects are moved to STORE/.quarantine/ (they then count
 as missing). The exit status is non-zero when anything is wrong.`,
 		Args: cobra.NoArgs,
@@ -44,6 +46,9 @@ as missing). The exit status is non-zero when anything is wrong.`,
 			printProblems(w, "missing", r.Missing)
 			printProblems(w, "undecodable", r.Undecodable)
 			printProblems(w, "unreadable", r.Unreadable)
+			for _, t := range r.Leftovers {
+				fmt.Fprintf(w, "leftover temp file %s (%d bytes): its writer (pid %d) is gone; the next writer removes it\n", t.Path, t.Size, t.PID)
+			}
 			if r.Healthy() {
 				return nil
 			}

@@ -28,7 +28,9 @@ recent history, pins, and the roots of active snapshots when tidepoold runs) and
 remove the rest, except objects written or reused within --grace: a commit running
 alongside may be about to reference them. Stale temp files go too. Reachable
 objects that are missing are listed; they do not stop the sweep. --grace 0 removes
-every unreachable object, which is only safe when nothing else writes to the store.`,
+every unreachable object. A root recorded by a fork, commit or pin is never
+collected, even with --grace 0 and writers running; a root nothing records yet (an
+ingest not yet forked) may be, and forking it then fails with "not in the store".`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			ctx := cmd.Context()

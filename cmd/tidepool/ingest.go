@@ -16,7 +16,7 @@ import (
 func init() { commands = append(commands, newIngestCommand) }
 
 func newIngestCommand(a *app) *cobra.Command {
-	var strict bool
+	var strict, noSpecial bool
 	cmd := &cobra.Command{
 		Use:   "ingest [--lunar-strict] PATH",
 		Short: "Hash a directory tree into the store and print its root",
@@ -33,7 +33,7 @@ succeeds.`,
 				return err
 			}
 			stderr := cmd.ErrOrStderr()
-			opts := ingest.Options{LunarStrict: strict}
+			opts := ingest.Options{LunarStrict: strict, Strict: noSpecial}
 			bar := newProgressBar(stderr, "ingesting")
 			opts.Progress = bar.update
 			start := time.Now()
@@ -42,6 +42,7 @@ succeeds.`,
 			if err != nil {
 				return err
 			}
+			warnSpecial(stderr, st.Special)
 			fmt.Fprintf(stderr, "ingested %d files (%s) in %d directories, %d symlinks, %d skipped, in %s\n",
 				st.Files, formatBytes(st.Bytes), st.Dirs, st.Symlinks, st.Skipped, time.Since(start).Round(time.Millisecond))
 			_, err = fmt.Fprintln(cmd.OutOrStdout(), root)
@@ -49,7 +50,15 @@ succeeds.`,
 		},
 	}
 	cmd.Flags().BoolVar(&strict, "lunar-strict", false, "reproduce LunarFS's root exactly: drop symlinks as LunarFS does")
+	cmd.Flags().BoolVar(&noSpecial, "strict", false, "refuse FIFOs, sockets and device nodes instead of leaving them out")
 	return cmd
+}
+
+// warnSpecial says how many special files were left out (each is also logged).
+func warnSpecial(w io.Writer, n int64) {
+	if n > 0 {
+		fmt.Fprintf(w, "tidepool: warning: left out %d FIFOs, sockets or device nodes (trees cannot hold them; --strict refuses them)\n", n)
+	}
 }
 
 // progressBar draws an ingest's progress on stderr when stderr is a terminal, and is a

@@ -1,8 +1,11 @@
 package main
 
 import (
-	"bytes"
+	"bufio"
+	"context"
+	"errors"
 	"fmt"
+	"io"
 	"strconv"
 	"strings"
 	"unicode/utf8"
@@ -40,31 +43,47 @@ Paths holding control characters, '"' or '\' are printed as quoted Go strings.`,
 			if err != nil {
 				return err
 			}
-			// Buffered in full so that an error half-way prints nothing.
-			var out bytes.Buffer
+			// A tree past the limits, or one that cannot be read, is refused before
+			// anything is printed (Measure reads each distinct tree once); the listing
+			// itself is streamed, and stops at SIGINT/SIGTERM.
+			if start.Mode.IsDir() && recursive {
+				if _, err := casstore.Measure(ctx, s, start.Hash, a.limits, false); err != nil {
+					if errors.Is(err, casstore.ErrTreeLimit) {
+						return fmt.Errorf("ls-tree -r %s: %w", args[0], err)
+					}
+					return err
+				}
+			}
+			out := bufio.NewWriterSize(cmd.OutOrStdout(), 64<<10)
 			if !start.Mode.IsDir() {
-				printEntry(&out, start, rel)
-			} else if err := listTree(s, &out, start.Hash, rel, recursive); err != nil {
+				printEntry(out, start, rel)
+			} else if err := listTree(ctx, s, casstore.NewBudget(ctx, a.limits), out, start.Hash, rel, recursive, 1); err != nil {
+				out.Flush()
 				return err
 			}
-			_, err = cmd.OutOrStdout().Write(out.Bytes())
-			return err
+			return out.Flush()
 		},
 	}
 	cmd.Flags().BoolVarP(&recursive, "recursive", "r", false, "list subdirectories recursively")
 	return cmd
 }
 
-func listTree(s *casstore.Store, out *bytes.Buffer, h casstore.Hash, dir string, recursive bool) error {
+func listTree(ctx context.Context, s *casstore.Store, b *casstore.Budget, out io.Writer, h casstore.Hash, dir string, recursive bool, depth int) error {
+	if err := b.Depth(depth); err != nil {
+		return fmt.Errorf("ls-tree at %s: %w", displayPath(dir), err)
+	}
 	t, err := s.ReadTree(h)
 	if err != nil {
 		return fmt.Errorf("read tree %s at %s: %w", h, displayPath(dir), err)
+	}
+	if err := b.Entries(len(t)); err != nil {
+		return fmt.Errorf("ls-tree at %s: %w", displayPath(dir), err)
 	}
 	for _, e := range t {
 		p := joinPath(dir, e.Name)
 		printEntry(out, e, p)
 		if recursive && e.Mode.IsDir() {
-			if err := listTree(s, out, e.Hash, p, true); err != nil {
+			if err := listTree(ctx, s, b, out, e.Hash, p, true, depth+1); err != nil {
 				return err
 			}
 		}
@@ -72,7 +91,7 @@ func listTree(s *casstore.Store, out *bytes.Buffer, h casstore.Hash, dir string,
 	return nil
 }
 
-func printEntry(out *bytes.Buffer, e casstore.Entry, p string) {
+func printEntry(out io.Writer, e casstore.Entry, p string) {
 	fmt.Fprintf(out, "%s %s %s\n", e.Mode, e.Hash, quotePath(p))
 }
 

@@ -33,6 +33,7 @@ type mountFlags struct {
 	owner         string
 	noPassthrough bool
 	noOpen        bool
+	allowOther    bool
 	daemon        bool
 	logFile       string
 }
@@ -50,6 +51,10 @@ the verified store objects (with FUSE passthrough when the kernel offers it).
 owned by 0:0), so DIR can serve as an overlay lower that merges with an image's own
 directory there. --owner sets the uid:gid reported for the tree (default 0:0).
 
+Only the mounting user (and overlays it mounts) can reach the view unless
+--allow-other is given; then the kernel enforces the owner and modes the view
+reports (default_permissions).
+
 The command serves in the foreground until SIGINT/SIGTERM or until DIR is unmounted
 (tidepool umount DIR). With --daemon it serves from a detached background process
 and prints that process's pid once the view is mounted. A fork is resolved once, at
@@ -63,6 +68,7 @@ mount: later commits to it are not seen by this view.`,
 	fl.StringVar(&f.prefix, "prefix", "", "place the tree under this relative path inside DIR (e.g. app)")
 	fl.StringVar(&f.owner, "owner", "0:0", "numeric UID:GID that owns the tree's files and directories")
 	fl.BoolVar(&f.noPassthrough, "no-passthrough", false, "serve reads through this process even if the kernel supports FUSE passthrough")
+	fl.BoolVar(&f.allowOther, "allow-other", false, "let other users read the view (the kernel enforces the --owner and modes reported); by default only the mounting user and overlays it mounts reach it")
 	fl.BoolVar(&f.noOpen, "no-open", false, "kernel open caching: no round trip per open, no passthrough, a page cache of the view's own")
 	fl.BoolVar(&f.daemon, "daemon", false, "serve from a detached background process; print its pid once mounted")
 	fl.StringVar(&f.logFile, "log-file", "", "with --daemon, append the background process's logs to this file (default: discard)")
@@ -160,6 +166,8 @@ func runMount(ctx context.Context, a *app, f mountFlags, ref, dir string, stdout
 		GID:                gid,
 		DisablePassthrough: f.noPassthrough,
 		NoOpen:             f.noOpen,
+		Private:            !f.allowOther,
+		Limits:             a.limits,
 	})
 	if err != nil {
 		return err
