@@ -439,37 +439,57 @@ func (s *Snapshotter) Remove(ctx context.Context, key string) error {
 // fork of its own rather than overwrite that.
 func (s *Snapshotter) commitToFork(ctx context.Context, key, id string, b bound) (string, casstore.Hash, error) {
 	start := time.Now()
-	newRoot, err := ingest.Upper(ctx, s.store, b.base, s.upperPath(id), b.spec.Prefix(), ingest.Options{})
+	// The fork moves inside Record, while the new objects are still held against
+	// garbage collection, so a collection can never sweep them before they are live.
+	forkID := b.forkID
+	record := func(root casstore.Hash) error {
+		if root == b.base {
+			return nil
+		}
+		id, err := s.advanceFork(ctx, key, b, root)
+		forkID = id
+		return err
+	}
+	newRoot, err := ingest.Upper(ctx, s.store, b.base, s.upperPath(id), b.spec.Prefix(), ingest.Options{Record: record})
 	if err != nil {
 		return "", newRoot, err
 	}
-	defer func() { s.metrics.commitSeconds.Observe(time.Since(start).Seconds()) }()
+	s.metrics.commitSeconds.Observe(time.Since(start).Seconds())
 	logger := log.G(ctx).WithField("key", key).WithField("fork", b.forkID).WithField("root", newRoot.Short())
-	if newRoot == b.base {
+	switch {
+	case newRoot == b.base:
 		logger.Debug("no changes under the workdir; fork unchanged")
-		return b.forkID, newRoot, nil
-	}
-	_, err = s.forks.Advance(ctx, b.forkID, b.base, newRoot, "commit of snapshot "+key)
-	if err == nil {
+	case forkID != b.forkID:
+		logger.WithField("new_fork", forkID).Warn("fork moved while the container ran; its changes went to a new fork")
+	default:
 		logger.Debug("committed snapshot changes to fork")
-		return b.forkID, newRoot, nil
+	}
+	return forkID, newRoot, nil
+}
+
+// advanceFork moves the bound fork from the root the snapshot started at to root, and
+// returns the fork that now holds root: the bound fork, or a new fork of the base
+// when the bound one moved meanwhile.
+func (s *Snapshotter) advanceFork(ctx context.Context, key string, b bound, root casstore.Hash) (string, error) {
+	_, err := s.forks.Advance(ctx, b.forkID, b.base, root, "commit of snapshot "+key)
+	if err == nil {
+		return b.forkID, nil
 	}
 	if !errdefs.IsFailedPrecondition(err) && !errdefs.IsNotFound(err) {
-		return "", newRoot, err
+		return "", err
 	}
-	if f, gerr := s.forks.Get(ctx, b.forkID); gerr == nil && f.Root == newRoot {
-		return b.forkID, newRoot, nil // an earlier attempt got this far
+	if f, gerr := s.forks.Get(ctx, b.forkID); gerr == nil && f.Root == root {
+		return b.forkID, nil // an earlier attempt got this far
 	}
 	label := key + "@" + b.forkID
 	f, cerr := s.forks.Create(ctx, forks.CreateRequest{Base: b.base, Label: label, Labels: map[string]string{"tidepool.dev/diverged-from": b.forkID, "tidepool.dev/snapshot": key}})
 	if cerr != nil {
-		return "", newRoot, fmt.Errorf("fork %s moved and a fork for these changes could not be made: %w", b.forkID, cerr)
+		return "", fmt.Errorf("fork %s moved and a fork for these changes could not be made: %w", b.forkID, cerr)
 	}
-	if _, err := s.forks.Advance(ctx, f.ID, b.base, newRoot, "commit of snapshot "+key); err != nil {
-		return "", newRoot, err
+	if _, err := s.forks.Advance(ctx, f.ID, b.base, root, "commit of snapshot "+key); err != nil {
+		return "", err
 	}
-	logger.WithField("new_fork", f.ID).Warn("fork moved while the container ran; its changes went to a new fork")
-	return f.ID, newRoot, nil
+	return f.ID, nil
 }
 
 // CommitNow commits an active snapshot's changes to its fork at once, instead of when
