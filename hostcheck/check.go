@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
+	"path/filepath"
 	"strings"
 )
 
@@ -62,6 +64,29 @@ func Host(ctx context.Context, opts Options) []Check {
 	}
 	out = append(out, Cgroups()...)
 	return out
+}
+
+// probeDir is where probes that need the root's filesystem put their scratch files:
+// the root if it exists, else its nearest existing ancestor (a host not yet set up
+// has no root, and checking it must not create one).
+func probeDir(root string) (string, error) {
+	if root == "" {
+		return "", errors.New("no root given")
+	}
+	dir := filepath.Clean(root)
+	for {
+		if st, err := os.Stat(dir); err == nil {
+			if !st.IsDir() {
+				return "", fmt.Errorf("%s is not a directory", dir)
+			}
+			return dir, nil
+		}
+		parent := filepath.Dir(dir)
+		if parent == dir {
+			return "", fmt.Errorf("no existing directory above %s", root)
+		}
+		dir = parent
+	}
 }
 
 // KernelViews tells whether kernel fork views (an EROFS metadata image as an

@@ -41,10 +41,8 @@ func EROFS(_ context.Context, root string, k KernelVersion) Check {
 		return notProbed(c, err)
 	}
 	defer s.close()
-	if root == "" {
-		return failed(c, Degraded, fmt.Errorf("no root given"))
-	}
-	if err := os.MkdirAll(root, 0o700); err != nil {
+	root, err = probeDir(root)
+	if err != nil {
 		return failed(c, Degraded, err)
 	}
 	f, err := os.CreateTemp(root, ".hostcheck-erofs-")

@@ -34,13 +34,11 @@ func FUSEPassthrough(ctx context.Context, root string, k KernelVersion) Check {
 	if os.Geteuid() != 0 {
 		return notProbed(c, errNotRoot)
 	}
-	if root == "" {
-		return failed(c, Degraded, fmt.Errorf("no root given"))
-	}
-	if err := os.MkdirAll(root, 0o700); err != nil {
+	root, err := probeDir(root)
+	if err != nil {
 		return failed(c, Degraded, err)
 	}
-	dir, err := os.MkdirTemp(root, ".hostcheck-")
+	dir, err := os.MkdirTemp(root, ".hostcheck-fuse-")
 	if err != nil {
 		return failed(c, Degraded, err)
 	}
@@ -72,10 +70,8 @@ func FUSEPassthrough(ctx context.Context, root string, k KernelVersion) Check {
 func TrustedXattrs(root string) Check {
 	c := Check{Name: "trusted.* xattrs on the root",
 		Fix: "put the Tidepool root on a filesystem with extended attributes (ext4, xfs, btrfs) and run tidepoold as root"}
-	if root == "" {
-		return failed(c, Degraded, fmt.Errorf("no root given"))
-	}
-	if err := os.MkdirAll(root, 0o700); err != nil {
+	root, err := probeDir(root)
+	if err != nil {
 		return failed(c, Degraded, err)
 	}
 	f, err := os.CreateTemp(root, ".hostcheck-xattr-")

@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 
@@ -86,6 +87,18 @@ func TestHostAllOK(t *testing.T) {
 	}
 	if ents, _ := os.ReadDir(root); len(ents) > 0 {
 		t.Errorf("probes left files in the root: %v", ents)
+	}
+	// A root that does not exist yet is probed on its nearest existing parent and
+	// is not created.
+	missing := filepath.Join(root, "not", "yet")
+	if c := TrustedXattrs(missing); !c.OK() {
+		t.Errorf("xattrs under a missing root: %+v", c)
+	}
+	if c := FUSEPassthrough(context.Background(), missing, Kernel()); !c.OK() {
+		t.Errorf("passthrough under a missing root: %+v", c)
+	}
+	if _, err := os.Stat(filepath.Join(root, "not")); !os.IsNotExist(err) {
+		t.Errorf("probing a missing root created it (stat: %v)", err)
 	}
 }
 
