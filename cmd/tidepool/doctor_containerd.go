@@ -328,4 +328,3 @@ func fail(c hostcheck.Check, st hostcheck.Status, err error) hostcheck.Check {
 	c.Status, c.Detail = st, err.Error()
 	return c
 }
-
