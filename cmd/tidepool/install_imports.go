@@ -125,4 +125,3 @@ func removeImport(data []byte, edit importEdit) ([]byte, bool) {
 	}
 	return data, false
 }
-
