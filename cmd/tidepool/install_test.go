@@ -1,7 +1,9 @@
 package main
 
 import (
+	"bytes"
 	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 
@@ -83,5 +85,61 @@ func TestInstallFilesMatchContrib(t *testing.T) {
 	rt := cfg["plugins"].(map[string]any)["io.containerd.cri.v1.runtime"].(map[string]any)["containerd"].(map[string]any)["runtimes"].(map[string]any)["tidepool"].(map[string]any)
 	if rt["runtime_type"] != "io.containerd.tidepool.v1" || rt["snapshotter"] != "tidepool" {
 		t.Errorf("CRI runtime: %v", rt)
+	}
+}
+
+// With --restart-containerd and a host root other than /, install and uninstall run
+// systemctl in the host's namespaces through pid 1 (nsenter), in order; here nsenter
+// is a script that records its arguments, and the binaries are stand-ins.
+func TestInstallRestartsThroughHostPID1(t *testing.T) {
+	from, fake, T := t.TempDir(), t.TempDir(), t.TempDir()
+	for _, b := range installBinaries {
+		body := "#!/bin/sh\necho stand-in\n"
+		if b == "tidepoold" {
+			body = "#!/bin/sh\necho \"root = '/var/lib/tidepool'\"\n"
+		}
+		if err := os.WriteFile(filepath.Join(from, b), []byte(body), 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	logf := filepath.Join(fake, "calls")
+	if err := os.WriteFile(filepath.Join(fake, "nsenter"), []byte("#!/bin/sh\necho \"$*\" >> "+logf+"\n"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	t.Setenv("PATH", fake+":"+os.Getenv("PATH"))
+	run := func(args ...string) string {
+		cmd := newRootCommand()
+		var out bytes.Buffer
+		cmd.SetOut(&out)
+		cmd.SetArgs(args)
+		if err := cmd.Execute(); err != nil {
+			t.Fatalf("tidepool %v: %v\n%s", args, err, out.String())
+		}
+		return out.String()
+	}
+	run("install", "--host-root", T, "--from", from, "--restart-containerd")
+	run("uninstall", "--host-root", T, "--restart-containerd")
+	calls, err := os.ReadFile(logf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := "--target 1 --mount -- systemctl daemon-reload\n" +
+		"--target 1 --mount -- systemctl restart tidepoold\n" +
+		"--target 1 --mount -- systemctl restart containerd\n" +
+		"--target 1 --mount -- systemctl stop tidepoold\n" +
+		"--target 1 --mount -- systemctl daemon-reload\n" +
+		"--target 1 --mount -- systemctl restart containerd\n"
+	if string(calls) != want {
+		t.Fatalf("host commands:\n%s\nwant:\n%s", calls, want)
+	}
+	// A second install with nothing to change restarts nothing.
+	os.Remove(logf)
+	run("install", "--host-root", T, "--from", from, "--restart-containerd")
+	os.Remove(logf)
+	if out := run("install", "--host-root", T, "--from", from, "--restart-containerd"); !strings.Contains(out, "nothing to change") {
+		t.Fatalf("second install: %s", out)
+	}
+	if _, err := os.Stat(logf); err == nil {
+		t.Fatal("an install that changed nothing restarted services")
 	}
 }
