@@ -130,11 +130,7 @@ func TestDemo(t *testing.T) {
 		return "fork " + forkID + " is at " + f.Root.String() + "\n" + s.MustTidepool(t, "diff", root, forkID)
 	})
 	n.step("the same through the runtime shim and OCI annotations (as nerdctl would)", func() string {
-		cfg := filepath.Join(t.TempDir(), "shim.toml")
-		os.WriteFile(cfg, []byte(fmt.Sprintf("api_address = %q\n", s.APIAddress)), 0o644)
-		return s.MustCtr(t, "run", "--rm", "--fifo-dir", s.C.FIFODir, "--runtime", shim.RuntimeName, "--runtime-config-path", cfg,
-			"--snapshotter", "tidepool", "--annotation", binding.AnnotationFork+"="+root, "--annotation", binding.AnnotationWorkdir+"=/src",
-			imagebuild.NodeRef, "demo-shim", "node", "-e", demoScript)
+		return shimRun(t, s, root, "demo-shim", "node", "-e", demoScript)
 	})
 	n.step("baseline: the same image on containerd's overlayfs snapshotter, no fork", func() string {
 		return s.MustCtr(t, "run", "--rm", "--fifo-dir", s.C.FIFODir, "--snapshotter", "overlayfs",
@@ -153,11 +149,7 @@ func TestDemo(t *testing.T) {
 		return s.MustTidepool(t, "diff", f.Root.String(), forkID)
 	})
 	n.step("cold start: the same command with `ctr run` (our shim and snapshotter, the fork by annotation)", func() string {
-		cfg := filepath.Join(t.TempDir(), "shim.toml")
-		os.WriteFile(cfg, []byte(fmt.Sprintf("api_address = %q\n", s.APIAddress)), 0o644)
-		return s.MustCtr(t, "run", "--rm", "--fifo-dir", s.C.FIFODir, "--runtime", shim.RuntimeName, "--runtime-config-path", cfg,
-			"--snapshotter", "tidepool", "--annotation", binding.AnnotationFork+"="+forkID, "--annotation", binding.AnnotationWorkdir+"=/src",
-			imagebuild.NodeRef, "demo-cold", "node", "-e", demoScript)
+		return shimRun(t, s, forkID, "demo-cold", "node", "-e", demoScript)
 	})
 	if !strings.HasPrefix(warmOut, "net/http: ") {
 		t.Fatalf("warm command printed %q", warmOut)
@@ -170,11 +162,7 @@ func TestDemo(t *testing.T) {
 		return out + report
 	})
 	n.step("cold start of the same short command with `ctr run`", func() string {
-		cfg := filepath.Join(t.TempDir(), "shim.toml")
-		os.WriteFile(cfg, []byte(fmt.Sprintf("api_address = %q\n", s.APIAddress)), 0o644)
-		return s.MustCtr(t, "run", "--rm", "--fifo-dir", s.C.FIFODir, "--runtime", shim.RuntimeName, "--runtime-config-path", cfg,
-			"--snapshotter", "tidepool", "--annotation", binding.AnnotationFork+"="+forkID, "--annotation", binding.AnnotationWorkdir+"=/src",
-			imagebuild.NodeRef, "demo-cold-quick", "sh", "-c", quick)
+		return shimRun(t, s, forkID, "demo-cold-quick", "sh", "-c", quick)
 	})
 	quickWarm, quickCold := n.timings[len(n.timings)-2].took, n.timings[len(n.timings)-1].took
 	n.say("\nWarm vs cold, same command and fork, wall clock of the client command (tidepool run / ctr run --rm):")
@@ -290,4 +278,17 @@ func leakCheckBesidesPool(t *testing.T, s *stack.Stack) {
 		}
 		time.Sleep(100 * time.Millisecond)
 	}
+}
+
+// shimRun is `ctr run --rm` of the baked image through the tidepool runtime shim, with
+// fork (a root or fork id) at /src by OCI annotation, as nerdctl would run it.
+func shimRun(t *testing.T, s *stack.Stack, fork, id string, args ...string) string {
+	t.Helper()
+	cfg := filepath.Join(t.TempDir(), "shim.toml")
+	if err := os.WriteFile(cfg, []byte(fmt.Sprintf("api_address = %q\n", s.APIAddress)), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	return s.MustCtr(t, append([]string{"run", "--rm", "--fifo-dir", s.C.FIFODir, "--runtime", shim.RuntimeName, "--runtime-config-path", cfg,
+		"--snapshotter", "tidepool", "--annotation", binding.AnnotationFork + "=" + fork, "--annotation", binding.AnnotationWorkdir + "=/src",
+		imagebuild.NodeRef, id}, args...)...)
 }
