@@ -15,11 +15,13 @@ import (
 
 	"github.com/containerd/containerd/v2/client"
 	"github.com/containerd/containerd/v2/core/images"
+	"github.com/containerd/containerd/v2/core/leases"
 	"github.com/containerd/containerd/v2/core/transfer"
 	tarchive "github.com/containerd/containerd/v2/core/transfer/archive"
 	"github.com/containerd/containerd/v2/core/transfer/image"
 	"github.com/containerd/containerd/v2/pkg/namespaces"
 	"github.com/containerd/errdefs"
+	"github.com/containerd/log"
 	"github.com/containerd/platforms"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
@@ -117,9 +119,11 @@ func (d *doctor) checkContainerd(ctx context.Context) (out []hostcheck.Check, fa
 // checkUnpack imports a tiny one-layer image through containerd's transfer service
 // asking it to unpack for the tidepool snapshotter (as `ctr images import
 // --snapshotter tidepool` and `ctr images pull` do), then looks for the layer's
-// snapshot: the transfer service silently skips snapshotters without an
-// unpack_config entry, so only the snapshot's presence proves the entry is there.
-// Everything it creates lives in a namespace of its own and is removed afterwards.
+// snapshot. Without an unpack_config entry for the snapshotter, containerd 2.4
+// refuses the import ("no unpack platforms defined") when no entry matches at all,
+// and skips the snapshotter silently when another entry matches, so only the
+// snapshot's presence proves the entry is there. Everything it creates lives in a
+// namespace of its own, under a lease, and is removed afterwards.
 func (d *doctor) checkUnpack(ctx context.Context, cl *client.Client) hostcheck.Check {
 	c := hostcheck.Check{Name: "containerd transfer unpack for " + d.snapshotter, Required: true,
 		Fix: `add [[plugins."io.containerd.transfer.v1.local".unpack_config]] with snapshotter = "` + d.snapshotter + `" (tidepool install does), then restart containerd`}
@@ -128,29 +132,49 @@ func (d *doctor) checkUnpack(ctx context.Context, cl *client.Client) hostcheck.C
 		return fail(c, hostcheck.Degraded, err)
 	}
 	ctx = namespaces.WithNamespace(ctx, doctorNamespace)
-	ctx, done, err := cl.WithLease(ctx)
+	ls := cl.LeasesService()
+	lease, err := ls.Create(ctx, leases.WithRandomID(), leases.WithExpiration(10*time.Minute))
 	if err != nil {
 		return fail(c, hostcheck.Degraded, err)
 	}
+	ctx = leases.WithLease(ctx, lease.ID)
 	name := "tidepool-doctor/probe:" + img.chainID.Encoded()[:12]
 	sn := cl.SnapshotService(d.snapshotter)
 	defer func() {
-		// A fresh context: cleanup must run even if ctx was cancelled.
+		// A fresh context: cleanup must run even if ctx was cancelled. Deleting
+		// the lease synchronously collects what it held (content written by a
+		// failed import too), so the namespace is empty and can go.
 		cctx := namespaces.WithNamespace(context.Background(), doctorNamespace)
 		sn.Remove(cctx, img.chainID.String())
 		cl.ImageService().Delete(cctx, name, images.SynchronousDelete())
-		done(cctx)
-		cl.NamespaceService().Delete(cctx, doctorNamespace)
+		ls.Delete(cctx, lease, leases.SynchronousDelete)
+		// containerd's collector ignores deletions that land while a collection
+		// runs, so what the lease held may outlive it for a moment: ask for
+		// another synchronous collection (an empty lease's deletion) and retry.
+		var err error
+		for i := 0; i < 20; i++ {
+			if err = cl.NamespaceService().Delete(cctx, doctorNamespace); err == nil || errdefs.IsNotFound(err) {
+				return
+			}
+			if l, lerr := ls.Create(cctx, leases.WithRandomID()); lerr == nil {
+				ls.Delete(cctx, l, leases.SynchronousDelete)
+			}
+			time.Sleep(100 * time.Millisecond)
+		}
+		log.G(cctx).WithError(err).Warnf("doctor: namespace %s left behind", doctorNamespace)
 	}()
 	plat := platforms.DefaultSpec()
 	store := image.NewStore(name, image.WithPlatforms(plat), image.WithUnpack(plat, d.snapshotter))
 	src := tarchive.NewImageImportStream(bytes.NewReader(img.archive), "")
 	if err := cl.Transfer(ctx, src, store, transfer.WithProgress(func(transfer.Progress) {})); err != nil {
+		if strings.Contains(err.Error(), "no unpack platforms") {
+			return fail(c, hostcheck.Missing, fmt.Errorf("the transfer service has no unpack entry for %s on %s (an import asking for it failed: %w)", d.snapshotter, platforms.Format(plat), err))
+		}
 		return fail(c, hostcheck.Missing, fmt.Errorf("import through the transfer service: %w", err))
 	}
 	if _, err := sn.Stat(ctx, img.chainID.String()); err != nil {
 		if errdefs.IsNotFound(err) {
-			return fail(c, hostcheck.Missing, fmt.Errorf("an image imported with --snapshotter %s was not unpacked for it: the transfer service has no unpack entry for %s on %s", d.snapshotter, d.snapshotter, platforms.Format(plat)))
+			return fail(c, hostcheck.Missing, fmt.Errorf("the transfer service has no unpack entry for %s on %s (an image imported for it was not unpacked there)", d.snapshotter, platforms.Format(plat)))
 		}
 		return fail(c, hostcheck.Missing, fmt.Errorf("stat the probe layer in %s: %w", d.snapshotter, err))
 	}

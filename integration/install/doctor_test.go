@@ -1,7 +1,9 @@
 package install
 
 import (
+	"context"
 	"encoding/json"
+	"fmt"
 	"errors"
 	"os/exec"
 	"path/filepath"
@@ -40,6 +42,9 @@ func doctor(t *testing.T, bin string, args ...string) (report, int) {
 	}
 	for _, c := range rep.Checks {
 		t.Logf("%-8s %-40s %s %s", c.Status, c.Name, c.Detail, c.Fix)
+	}
+	if stderr.Len() > 0 {
+		t.Logf("doctor's stderr: %s", stderr.String())
 	}
 	return rep, code
 }
@@ -97,7 +102,12 @@ func TestDoctor(t *testing.T) {
 	}
 	// The transfer probe cleaned up after itself.
 	if ns, _ := s.C.Ctr("namespaces", "ls", "-q"); strings.Contains(ns, "tidepool-doctor") {
-		t.Errorf("doctor left its namespace: %q", ns)
+		var what []string
+		for _, args := range [][]string{{"leases", "ls"}, {"images", "ls", "-q"}, {"content", "ls", "-q"}, {"snapshots", "--snapshotter", "tidepool", "ls"}} {
+			out, err := s.C.CtrContext(context.Background(), "tidepool-doctor", args...)
+			what = append(what, fmt.Sprintf("%v: %q %v", args, out, err))
+		}
+		t.Errorf("doctor left its namespace: %q\n%s\ntidepoold:\n%s", ns, strings.Join(what, "\n"), s.Daemon.LogTail(15))
 	}
 	// One line per check in the plain output as well.
 	out, err := exec.Command(filepath.Join(s.Bin, "tidepool"), "--root", s.Root, "doctor", "--containerd-address", s.C.Address).Output()
@@ -134,5 +144,30 @@ func TestDoctorWithoutProxyPlugin(t *testing.T) {
 		if c := find(t, rep, name); !c.OK() {
 			t.Errorf("%s: %+v, want ok", name, c)
 		}
+	}
+}
+
+// TestDoctorWithoutUnpackEntry: a containerd that loads the tidepool proxy plugin (a
+// live tidepoold behind it) but whose transfer service has no unpack entry for it (so
+// `ctr images pull --snapshotter tidepool` cannot unpack there): the doctor's import
+// probe reports it missing, with the fix, exit 1, and leaves nothing behind.
+func TestDoctorWithoutUnpackEntry(t *testing.T) {
+	s := stack.Start(t, stack.Options{})
+	c := harness.StartContainerd(t, harness.Options{ProxyPlugins: map[string]harness.ProxyPlugin{
+		"tidepool": {Type: "snapshot", Address: s.SnapAddress, Exports: map[string]string{"root": s.Root}, Capabilities: []string{"rebase"}},
+	}})
+	rep, code := doctor(t, s.Bin, "--root", s.Root, "--containerd-address", c.Address)
+	if code != 1 || rep.OK {
+		t.Errorf("doctor exit %d, ok %v; want 1, false", code, rep.OK)
+	}
+	if p := find(t, rep, "containerd proxy plugin tidepool"); !p.OK() {
+		t.Errorf("proxy plugin: %+v, want ok", p)
+	}
+	u := find(t, rep, "containerd transfer unpack for tidepool")
+	if u.Status != hostcheck.Missing || !strings.Contains(u.Detail, "no unpack entry for tidepool") || !strings.Contains(u.Fix, "unpack_config") {
+		t.Errorf("unpack check: %+v, want missing, naming the missing unpack entry, fix naming unpack_config", u)
+	}
+	if ns, _ := c.Ctr("namespaces", "ls", "-q"); strings.Contains(ns, "tidepool-doctor") {
+		t.Errorf("doctor left its namespace: %q", ns)
 	}
 }
