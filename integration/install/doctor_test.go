@@ -3,8 +3,8 @@ package install
 import (
 	"context"
 	"encoding/json"
-	"fmt"
 	"errors"
+	"fmt"
 	"os/exec"
 	"path/filepath"
 	"strings"
