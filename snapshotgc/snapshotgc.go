@@ -10,6 +10,7 @@ package snapshotgc
 import (
 	"context"
 	"fmt"
+	"slices"
 	"time"
 
 	containerd "github.com/containerd/containerd/v2/client"
@@ -67,8 +68,20 @@ func watch(ctx context.Context, address, snapshotter string) error {
 }
 
 // collect runs a synchronous garbage collection: deleting a lease with
-// SynchronousDelete makes containerd collect before it answers.
+// SynchronousDelete makes containerd collect before it answers. The lease goes in
+// the namespace the removal happened in (collection is global anyway), unless that
+// namespace is gone by now: a lease would create it again, resurrecting a namespace
+// its owner just deleted (as `tidepool doctor` does with its probe's).
 func collect(ctx context.Context, client *containerd.Client) error {
+	if ns, ok := namespaces.Namespace(ctx); ok {
+		list, err := client.NamespaceService().List(ctx)
+		if err != nil {
+			return err
+		}
+		if !slices.Contains(list, ns) {
+			return nil
+		}
+	}
 	ls := client.LeasesService()
 	l, err := ls.Create(ctx, leases.WithRandomID(), leases.WithExpiration(time.Minute))
 	if err != nil {

@@ -8,8 +8,10 @@
 package demo
 
 import (
+	"bytes"
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"runtime"
 	"strings"
@@ -87,8 +89,8 @@ func TestDemo(t *testing.T) {
 		return "binaries in " + stack.Binaries(t)
 	})
 	var s *stack.Stack
-	n.step("start a private containerd 2.4.2 and tidepoold under a temp dir", func() string {
-		s = stack.Start(t, stack.Options{})
+	n.step("start a private containerd 2.4.2 and tidepoold (with a warm pool of the image) under a temp dir", func() string {
+		s = stack.Start(t, stack.Options{TidepooldConfig: warmPool})
 		s.C.ImportImage(t, archive.Path, imagebuild.NodeRef, "tidepool", "overlayfs")
 		return "containerd " + s.C.Address + "\ntidepoold  " + s.SnapAddress + " (root " + s.Root + ")"
 	})
@@ -128,19 +130,165 @@ func TestDemo(t *testing.T) {
 		return "fork " + forkID + " is at " + f.Root.String() + "\n" + s.MustTidepool(t, "diff", root, forkID)
 	})
 	n.step("the same through the runtime shim and OCI annotations (as nerdctl would)", func() string {
-		cfg := filepath.Join(t.TempDir(), "shim.toml")
-		os.WriteFile(cfg, []byte(fmt.Sprintf("api_address = %q\n", s.APIAddress)), 0o644)
-		return s.MustCtr(t, "run", "--rm", "--fifo-dir", s.C.FIFODir, "--runtime", shim.RuntimeName, "--runtime-config-path", cfg,
-			"--snapshotter", "tidepool", "--annotation", binding.AnnotationFork+"="+root, "--annotation", binding.AnnotationWorkdir+"=/src",
-			imagebuild.NodeRef, "demo-shim", "node", "-e", demoScript)
+		return shimRun(t, s, root, "demo-shim", "node", "-e", demoScript)
 	})
 	n.step("baseline: the same image on containerd's overlayfs snapshotter, no fork", func() string {
 		return s.MustCtr(t, "run", "--rm", "--fifo-dir", s.C.FIFODir, "--snapshotter", "overlayfs",
 			imagebuild.NodeRef, "demo-base", "node", "-e", "console.log('lodash ' + require('/app/node_modules/lodash').VERSION)")
 	})
+	n.step("the warm pool is full (filled in the background since tidepoold started: members created on tidepool-holder, then frozen)", func() string {
+		return waitWarm(t, s, poolTarget)
+	})
+	var warmOut string
+	n.step("warm start: claim a frozen member, bind the fork at /src, run the same node command (tidepool run --pool)", func() string {
+		out, report := tidepoolRun(t, s, "--pool", "demo", "--fork", forkID, "--", "node", "-e", demoScript)
+		warmOut = out
+		return out + report
+	})
+	n.step("the warm command's change landed on the fork", func() string {
+		return s.MustTidepool(t, "diff", f.Root.String(), forkID)
+	})
+	n.step("cold start: the same command with `ctr run` (our shim and snapshotter, the fork by annotation)", func() string {
+		return shimRun(t, s, forkID, "demo-cold", "node", "-e", demoScript)
+	})
+	if !strings.HasPrefix(warmOut, "net/http: ") {
+		t.Fatalf("warm command printed %q", warmOut)
+	}
+	warm, cold := n.timings[len(n.timings)-3].took, n.timings[len(n.timings)-1].took
+	n.step("the pool refills to its target", func() string { return waitWarm(t, s, poolTarget) })
+	const quick = "head -1 /src/go.mod && echo quick > /src/QUICK.txt"
+	n.step("warm start of a short command: "+quick, func() string {
+		out, report := tidepoolRun(t, s, "--pool", "demo", "--fork", forkID, "--", "sh", "-c", quick)
+		return out + report
+	})
+	n.step("cold start of the same short command with `ctr run`", func() string {
+		return shimRun(t, s, forkID, "demo-cold-quick", "sh", "-c", quick)
+	})
+	quickWarm, quickCold := n.timings[len(n.timings)-2].took, n.timings[len(n.timings)-1].took
+	n.say("\nWarm vs cold, same command and fork, wall clock of the client command (tidepool run / ctr run --rm):")
+	n.say("  node over net/http: warm %s, cold %s: %.1fx", warm.Round(time.Millisecond), cold.Round(time.Millisecond), float64(cold)/float64(warm))
+	n.say("  short command:      warm %s, cold %s: %.1fx", quickWarm.Round(time.Millisecond), quickCold.Round(time.Millisecond), float64(quickCold)/float64(quickWarm))
+	n.say("  (one run each on a shared machine: `make bench` has the measured claim latencies)")
 	n.say("\nTimings")
 	for _, tm := range n.timings {
 		n.say("  %10s  %s", tm.took.Round(time.Millisecond), tm.what)
 	}
-	s.C.LeakCheck(t)
+	leakCheckBesidesPool(t, s)
+}
+
+// poolTarget is how many idle members the demo's pool keeps.
+const poolTarget = 2
+
+// warmPool is tidepoold's config for a pool "demo" of the baked image, whose members
+// get their fork at /src (where the demo's script reads it).
+func warmPool(s *stack.Stack) string {
+	shimCfg := filepath.Join(s.Dir, "shim.toml")
+	os.WriteFile(shimCfg, []byte(fmt.Sprintf("api_address = %q\n", s.APIAddress)), 0o644)
+	return fmt.Sprintf(`
+[pools]
+namespace = %q
+holder = %q
+shim_config = %q
+[[pools.template]]
+name = "demo"
+image = %q
+workdir = "/src"
+owner = "0:0"
+min = 1
+target = %d
+max = %d
+refill_rate = 20.0
+max_age = "1h"
+`, s.C.Namespace, filepath.Join(s.Bin, "tidepool-holder"), shimCfg, imagebuild.NodeRef, poolTarget, 2*poolTarget)
+}
+
+// waitWarm waits until the pool holds target idle members and returns `tidepool pools`.
+func waitWarm(t *testing.T, s *stack.Stack, target int) string {
+	t.Helper()
+	deadline := time.Now().Add(2 * time.Minute)
+	for {
+		out := s.MustTidepool(t, "pools")
+		for _, line := range strings.Split(out, "\n") {
+			var name string
+			var idle int
+			if f := strings.Fields(line); len(f) > 2 && f[0] == "demo" {
+				name = f[0]
+				fmt.Sscan(f[1], &idle)
+			}
+			if name == "demo" && idle >= target {
+				return out
+			}
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("pool demo not filled after 2m:\n%s\n%s", out, s.Daemon.LogTail(40))
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+// tidepoolRun runs `tidepool run` and returns its stdout and its report line.
+func tidepoolRun(t *testing.T, s *stack.Stack, args ...string) (string, string) {
+	t.Helper()
+	cmd := exec.Command(filepath.Join(s.Bin, "tidepool"), append([]string{"--root", s.Root, "run"}, args...)...)
+	var out, errb bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &errb
+	if err := cmd.Run(); err != nil {
+		t.Fatalf("tidepool run: %v\n%s%s\n%s", err, out.String(), errb.String(), s.Daemon.LogTail(40))
+	}
+	return out.String(), errb.String()
+}
+
+// leakCheckBesidesPool checks that nothing of the demo's own containers is left: what
+// remains belongs to the pool's idle members (which stay, by design, until tidepoold's
+// next start), and the pool holds exactly its target again.
+func leakCheckBesidesPool(t *testing.T, s *stack.Stack) {
+	t.Helper()
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		out := s.MustCtr(t, "containers", "ls", "-q", `labels."dev.tidepool.pool"==demo`)
+		members := strings.Fields(out)
+		l, err := s.C.Leaks()
+		if err != nil {
+			t.Fatal(err)
+		}
+		var left []string
+		keep := func(items ...string) {
+			for _, it := range items {
+				ours := false
+				for _, m := range members {
+					ours = ours || strings.Contains(it, m)
+				}
+				if !ours {
+					left = append(left, it)
+				}
+			}
+		}
+		keep(l.Mounts...)
+		keep(l.Cgroups...)
+		keep(l.RuncState...)
+		keep(l.Bundles...)
+		for _, p := range l.Shims {
+			keep(fmt.Sprint(p))
+		}
+		if len(left) == 0 && len(members) == poolTarget {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("left behind besides the pool's %d members %v:\n%s", len(members), members, strings.Join(left, "\n"))
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+// shimRun is `ctr run --rm` of the baked image through the tidepool runtime shim, with
+// fork (a root or fork id) at /src by OCI annotation, as nerdctl would run it.
+func shimRun(t *testing.T, s *stack.Stack, fork, id string, args ...string) string {
+	t.Helper()
+	cfg := filepath.Join(t.TempDir(), "shim.toml")
+	if err := os.WriteFile(cfg, []byte(fmt.Sprintf("api_address = %q\n", s.APIAddress)), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	return s.MustCtr(t, append([]string{"run", "--rm", "--fifo-dir", s.C.FIFODir, "--runtime", shim.RuntimeName, "--runtime-config-path", cfg,
+		"--snapshotter", "tidepool", "--annotation", binding.AnnotationFork + "=" + fork, "--annotation", binding.AnnotationWorkdir + "=/src",
+		imagebuild.NodeRef, id}, args...)...)
 }
