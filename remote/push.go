@@ -21,8 +21,9 @@ type PushOptions struct {
 	// root); the ref must exist. Without it the push advances Ref from whatever root
 	// it reads, still atomically.
 	Expect *casstore.Hash
-	// Base is a root known to be complete in the bucket (e.g. the root a fork was
-	// pulled at); the upload diffs against it. The ref's current root is used too.
+	// Base is a root the pushed one was made from (e.g. the root a fork was pulled
+	// at). If the bucket holds it, the upload diffs against it; a ref's current root
+	// is used that way too, and takes precedence.
 	Base casstore.Hash
 }
 
@@ -60,6 +61,15 @@ func (r *Remote) Push(ctx context.Context, store *casstore.Store, root casstore.
 			base = c.Root // complete in the bucket: a ref is only ever set after its upload
 		case !errdefs.IsNotFound(err):
 			return finish(err)
+		}
+	}
+	if !base.IsZero() && base != cur.Root {
+		// A hint from the caller: trust it only if the bucket holds it, which by the
+		// children-first invariant means it holds all of it.
+		if ok, err := r.HasBlob(ctx, base); err != nil {
+			return finish(err)
+		} else if !ok {
+			base = casstore.Hash{}
 		}
 	}
 	up, err := r.Upload(ctx, store, root, base)

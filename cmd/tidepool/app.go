@@ -28,6 +28,7 @@ type app struct {
 	logLevel string
 
 	apiAddress string
+	remote     remoteFlags
 
 	store   *casstore.Store
 	forks   forks.Service
@@ -56,6 +57,7 @@ func newRootCommand() *cobra.Command {
 	f.StringVar(&a.storeDir, "store", "", "object store directory, overriding ROOT/cas (e.g. a LunarFS store, ~/.lunar/cas)")
 	f.StringVar(&a.logLevel, "log-level", "warn", "log level on stderr (debug, info, warn, error)")
 	f.StringVar(&a.apiAddress, "api-address", "", "tidepoold API socket (default: the one recorded in ROOT/tidepoold.json while a daemon runs)")
+	a.remote.register(f)
 	for _, add := range commands {
 		cmd.AddCommand(add(a))
 	}
