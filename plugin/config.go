@@ -32,6 +32,7 @@ type Config struct {
 	Views       ViewsConfig       `toml:"views"`
 	Maintenance MaintenanceConfig `toml:"maintenance"`
 	Pools       PoolsConfig       `toml:"pools"`
+	Remote      RemoteConfig      `toml:"remote"`
 }
 
 // StoreConfig locates the object store.
@@ -111,6 +112,7 @@ func DefaultConfig() *Config {
 		Pools: PoolsConfig{
 			Namespace: "tidepool",
 		},
+		Remote: RemoteConfig{Concurrency: 32},
 	}
 }
 

@@ -22,6 +22,9 @@ type ViewHost struct {
 	store *casstore.Store
 	cfg   ViewsConfig
 	stats *fuse.Stats
+	// Source, if set, supplies objects the store lacks (the remote), fetched per
+	// file on first use.
+	Source fuse.BlobSource
 
 	mu    sync.Mutex
 	views map[string]*fuse.View
@@ -63,6 +66,7 @@ func (h *ViewHost) Mount(ctx context.Context, dir string, spec snapshotter.ViewS
 		EntryTimeout:       time.Duration(h.cfg.EntryTimeout),
 		AttrTimeout:        time.Duration(h.cfg.AttrTimeout),
 		Stats:              h.stats,
+		Source:             h.Source,
 	})
 	if err != nil {
 		return err

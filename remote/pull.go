@@ -264,3 +264,25 @@ func (st *stager) abortPending() {
 		st.b = nil
 	}
 }
+
+// FetchInto makes one object local: fetched, verified and stored durably unless the
+// store has it already.
+func (r *Remote) FetchInto(ctx context.Context, store *casstore.Store, h casstore.Hash) error {
+	if ok, err := store.Has(h); err != nil || ok {
+		return err
+	}
+	rc, err := r.Fetch(ctx, h)
+	if err != nil {
+		return err
+	}
+	defer rc.Close()
+	b, err := store.Begin()
+	if err != nil {
+		return err
+	}
+	defer b.Abort()
+	if _, err := b.PutExpect(rc, h); err != nil {
+		return err
+	}
+	return b.Commit()
+}
