@@ -1,0 +1,95 @@
+package e2e
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"path/filepath"
+	"runtime"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/tidepool-dev/tidepool/binding"
+	"github.com/tidepool-dev/tidepool/integration/imagebuild"
+	"github.com/tidepool-dev/tidepool/integration/stack"
+	"github.com/tidepool-dev/tidepool/remote"
+	"github.com/tidepool-dev/tidepool/remote/s3test"
+)
+
+// TestFleet: two hosts (two tidepoold with separate roots, two containerd) share one
+// bucket. Host A ingests the Go source tree and pushes it as ref main; host B runs a
+// container on the fork remote:main at /src, which reads and changes files through a
+// lazily hydrated view; on removal B's commit is pushed and the ref advanced; A pulls
+// it and `tidepool diff` shows exactly B's change.
+func TestFleet(t *testing.T) {
+	srv := s3test.Start(t) // sets AWS_* for the daemons and the CLI
+	url := "s3://" + srv.Bucket + "/fleet"
+	cfg := func(*stack.Stack) string {
+		return fmt.Sprintf("[remote]\nurl = %q\nendpoint = %q\n", url, srv.Endpoint())
+	}
+	a := stack.Start(t, stack.Options{TidepooldConfig: cfg})
+	b := stack.Start(t, stack.Options{TidepooldConfig: cfg, Metrics: true})
+	b.C.ImportImage(t, imagebuild.BusyboxArchive(t).Path, imagebuild.BusyboxRef, "tidepool")
+
+	root := a.Ingest(t, filepath.Join(runtime.GOROOT(), "src"))
+	a.MustTidepool(t, "--remote", url, "push", root, "--ref", "main")
+	var refs []remote.Ref
+	if err := json.Unmarshal([]byte(a.MustTidepool(t, "--remote", url, "refs", "--json")), &refs); err != nil {
+		t.Fatal(err)
+	}
+	if len(refs) != 1 || refs[0].Name != "main" || refs[0].Root.String() != root {
+		t.Fatalf("refs after A's push: %+v", refs)
+	}
+
+	script := strings.Join([]string{
+		"head -1 /src/fmt/print.go",
+		"echo '// changed on host B' >> /src/fmt/print.go",
+		"echo hello > /src/fleet.txt",
+		"rm /src/errors/errors_test.go",
+	}, " && ")
+	flags := []string{"--snapshotter", "tidepool",
+		"--snapshotter-label", binding.LabelFork + "=" + binding.RemoteForkPrefix + "main",
+		"--snapshotter-label", binding.LabelWorkdir + "=/src"}
+	out := runRm(t, b, "fleet", flags, imagebuild.BusyboxRef, "sh", "-c", script)
+	if !strings.HasPrefix(out, "// Copyright") {
+		t.Fatalf("container read %q from fmt/print.go", out)
+	}
+	fetched := b.Metric(t, "tidepool_remote_objects_fetched_total")
+	t.Logf("host B fetched %v objects to run the container", fetched)
+	if fetched == 0 || fetched > 100 {
+		t.Fatalf("host B fetched %v objects: want a lazy handful, not the tree", fetched)
+	}
+
+	r, err := remote.Open(remote.Config{URL: url, Endpoint: srv.Endpoint()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var newRoot string
+	deadline := time.Now().Add(90 * time.Second)
+	for {
+		h, err := r.ResolveRef(context.Background(), "main")
+		if err == nil && h.String() != root {
+			newRoot = h.String()
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("ref main still at %s (%v) 90s after the container was removed\nhost B log:\n%s", root, err, b.Daemon.LogTail(40))
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+
+	pulled := strings.TrimSpace(a.MustTidepool(t, "--remote", url, "pull", "main"))
+	if pulled != newRoot {
+		t.Fatalf("A pulled %s, want the ref's %s", pulled, newRoot)
+	}
+	diff := a.MustTidepool(t, "diff", root, newRoot)
+	if want := "D errors/errors_test.go\nA fleet.txt\nM fmt/print.go\n"; diff != want {
+		t.Fatalf("A sees B's change as:\n%s\nwant:\n%s", diff, want)
+	}
+	if got := a.MustTidepool(t, "cat", newRoot, "fleet.txt"); got != "hello\n" {
+		t.Fatalf("fleet.txt: %q", got)
+	}
+	a.MustTidepool(t, "fsck")
+	b.C.LeakCheck(t)
+}
