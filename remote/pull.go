@@ -229,14 +229,10 @@ func (st *stager) do(fn func(*casstore.Batch) error) error {
 func (st *stager) rotate() error {
 	st.mu.Lock()
 	defer st.mu.Unlock()
-	if st.b == nil {
-		return fmt.Errorf("store batch unavailable after an earlier failure")
-	}
-	err := st.b.Commit()
-	st.b = nil
-	if err != nil {
+	if err := st.commitLocked(); err != nil {
 		return err
 	}
+	var err error
 	st.b, err = st.s.Begin()
 	return err
 }
@@ -244,6 +240,10 @@ func (st *stager) rotate() error {
 func (st *stager) commit() error {
 	st.mu.Lock()
 	defer st.mu.Unlock()
+	return st.commitLocked()
+}
+
+func (st *stager) commitLocked() error {
 	if st.b == nil {
 		return fmt.Errorf("store batch unavailable after an earlier failure")
 	}
