@@ -199,19 +199,20 @@ func (u *uploader) count(n int64, err error) error {
 // tree uploads tree h and everything below it that the bucket lacks; old is the tree
 // at the same path in a root complete in the bucket (zero if none).
 func (u *uploader) tree(ctx context.Context, h, old casstore.Hash) error {
-	if h == old {
+	switch h {
+	case old:
 		return nil
+	case casstore.EmptyHash:
+		return u.blob(ctx, h) // the empty tree is the empty blob: one object, no children
 	}
 	return u.once(objKey{h, true}, func() error {
 		ok, err := u.has(ctx, h)
 		if err != nil || ok {
 			return err // present: so is its whole subtree
 		}
-		var data []byte
-		if h != casstore.EmptyHash {
-			if data, err = u.s.ReadAll(h, maxTreeSize); err != nil {
-				return err
-			}
+		data, err := u.s.ReadAll(h, maxTreeSize)
+		if err != nil {
+			return err
 		}
 		t, err := casstore.DecodeTree(data)
 		if err != nil {
