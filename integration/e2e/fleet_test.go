@@ -7,6 +7,7 @@ import (
 	"path/filepath"
 	"runtime"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -28,7 +29,7 @@ func TestFleet(t *testing.T) {
 	cfg := func(*stack.Stack) string {
 		return fmt.Sprintf("[remote]\nurl = %q\nendpoint = %q\n", url, srv.Endpoint())
 	}
-	a := stack.Start(t, stack.Options{TidepooldConfig: cfg})
+	a := stack.Start(t, stack.Options{TidepooldConfig: cfg, Metrics: true})
 	b := stack.Start(t, stack.Options{TidepooldConfig: cfg, Metrics: true})
 	b.C.ImportImage(t, imagebuild.BusyboxArchive(t).Path, imagebuild.BusyboxRef, "tidepool")
 
@@ -91,5 +92,55 @@ func TestFleet(t *testing.T) {
 		t.Fatalf("fleet.txt: %q", got)
 	}
 	a.MustTidepool(t, "fsck")
+
+	// Concurrent commits from both hosts to main: one advances it, the other becomes
+	// a conflict ref, and both roots are complete in the bucket.
+	a.C.ImportImage(t, imagebuild.BusyboxArchive(t).Path, imagebuild.BusyboxRef, "tidepool")
+	hosts := map[string]*stack.Stack{"race-a": a, "race-b": b}
+	var wg sync.WaitGroup
+	for id, s := range hosts {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			runRm(t, s, id, flags, imagebuild.BusyboxRef, "sh", "-c", "echo "+id+" > /src/fleet.txt")
+		}()
+	}
+	wg.Wait()
+	roots := map[string]string{}
+	for id, s := range hosts {
+		roots[forkOfContainer(t, s, id, newRoot).Root.String()] = id
+	}
+	var refs2 []remote.Ref
+	deadline = time.Now().Add(90 * time.Second)
+	for {
+		if err := json.Unmarshal([]byte(a.MustTidepool(t, "--remote", url, "refs", "--json")), &refs2); err != nil {
+			t.Fatal(err)
+		}
+		if len(refs2) == 2 || time.Now().After(deadline) {
+			break
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	if len(refs2) != 2 || refs2[0].Name != "main" || refs2[1].Conflict != "main" ||
+		roots[refs2[0].Root.String()] == "" || roots[refs2[1].Root.String()] == "" || refs2[0].Root == refs2[1].Root {
+		t.Fatalf("after concurrent commits of %v: refs %+v", roots, refs2)
+	}
+	if want := remote.ConflictName("main", refs2[1].Root); refs2[1].Name != want {
+		t.Fatalf("conflict ref %s, want %s", refs2[1].Name, want)
+	}
+	t.Logf("%s won, %s became %s", roots[refs2[0].Root.String()], roots[refs2[1].Root.String()], refs2[1].Name)
+	c := stack.Start(t, stack.Options{}) // a third, empty host checks both roots
+	c.MustTidepool(t, "--remote", url, "pull", newRoot)
+	for _, ref := range refs2 {
+		got := strings.TrimSpace(c.MustTidepool(t, "--remote", url, "pull", ref.Name, "--fork"))
+		if diff := c.MustTidepool(t, "diff", newRoot, got); diff != "M fleet.txt\n" {
+			t.Fatalf("%s: diff from B's commit:\n%s", ref.Name, diff)
+		}
+	}
+	c.MustTidepool(t, "fsck")
+	if n := a.Metric(t, "tidepool_remote_cas_conflicts_total") + b.Metric(t, "tidepool_remote_cas_conflicts_total"); n != 1 {
+		t.Fatalf("CAS conflicts counted: %v, want 1", n)
+	}
+	a.C.LeakCheck(t)
 	b.C.LeakCheck(t)
 }
