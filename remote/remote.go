@@ -39,10 +39,18 @@ func Open(cfg Config) (*Remote, error) {
 		return nil, err
 	}
 	m := NewMetrics()
+	conc := cfg.Concurrency
+	if conc <= 0 {
+		conc = DefaultConcurrency
+	}
 	base, err := minio.DefaultTransport(loc.secure)
 	if err != nil {
 		return nil, fmt.Errorf("remote %s: %w", loc.url, err)
 	}
+	// Keep a connection per request in flight: with fewer idle slots than workers,
+	// every round trip beyond them would open (and leave in TIME_WAIT) a new one.
+	base.MaxIdleConnsPerHost = 2 * conc
+	base.MaxIdleConns = 4 * conc
 	var creds *credentials.Credentials
 	if os.Getenv("AWS_ACCESS_KEY_ID") != "" || os.Getenv("AWS_SECRET_ACCESS_KEY") != "" {
 		creds = credentials.NewEnvAWS()
@@ -59,10 +67,6 @@ func Open(cfg Config) (*Remote, error) {
 	})
 	if err != nil {
 		return nil, fmt.Errorf("remote %s: %w", loc.url, err)
-	}
-	conc := cfg.Concurrency
-	if conc <= 0 {
-		conc = DefaultConcurrency
 	}
 	return &Remote{loc: loc, core: minio.Core{Client: c}, conc: conc, metrics: m}, nil
 }
