@@ -78,11 +78,11 @@ func (r *Remote) Push(ctx context.Context, store *casstore.Store, root casstore.
 		return finish(err)
 	}
 	res.Previous = cur.Root
+	if cur.ETag != "" && cur.Root == root {
+		return finish(nil) // already there (e.g. a retry of a push that landed)
+	}
 	if opts.Expect != nil && (cur.ETag == "" || cur.Root != *opts.Expect) {
 		return finish(r.conflict(ctx, opts.Ref, root, *opts.Expect, cur.Root))
-	}
-	if cur.ETag != "" && cur.Root == root {
-		return finish(nil) // already there
 	}
 	err = r.CASRef(ctx, opts.Ref, root, cur)
 	if err == nil {

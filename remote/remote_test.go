@@ -367,6 +367,10 @@ func TestConcurrentCAS(t *testing.T) {
 	if err := r.CASRef(ctx, "race-0", roots[0], stale); !errdefs.IsConflict(err) {
 		t.Fatalf("CAS with a stale ETag: %v, want a conflict", err)
 	}
+	// A retried push of the root the ref already has succeeds whatever it expected.
+	if _, err := r.Push(ctx, stores[0], r0, remote.PushOptions{Ref: "race-0", Expect: &roots[1]}); err != nil {
+		t.Fatalf("re-push of the ref's own root: %v", err)
+	}
 	// Creating a ref that exists is a conflict as well.
 	if err := r.CASRef(ctx, "race-0", roots[1], remote.Ref{}); !errdefs.IsConflict(err) {
 		t.Fatalf("create over an existing ref: %v, want a conflict", err)

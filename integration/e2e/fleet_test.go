@@ -141,6 +141,18 @@ func TestFleet(t *testing.T) {
 	if n := a.Metric(t, "tidepool_remote_cas_conflicts_total") + b.Metric(t, "tidepool_remote_cas_conflicts_total"); n != 1 {
 		t.Fatalf("CAS conflicts counted: %v, want 1", n)
 	}
+
+	// The bucket unreachable: the create fails with an error naming the remote, and
+	// leaves nothing behind; once it is back, the same run works.
+	srv.Kill()
+	args := append(append([]string{"run", "--rm", "--fifo-dir", b.C.FIFODir}, flags...), imagebuild.BusyboxRef, "down", "true")
+	if out, err := b.Ctr(args...); err == nil || !strings.Contains(err.Error()+out, url) {
+		t.Fatalf("run with the bucket down: %v\n%s", err, out)
+	} else {
+		t.Logf("bucket down: %v", err)
+	}
+	srv.Restart(t)
+	runRm(t, b, "up", flags, imagebuild.BusyboxRef, "true")
 	a.C.LeakCheck(t)
 	b.C.LeakCheck(t)
 }
