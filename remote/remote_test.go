@@ -443,9 +443,7 @@ func TestCorruptObjectRefused(t *testing.T) {
 	}
 	victim := casstore.Sum([]byte("deep\n"))
 	evil := []byte("evil\n")
-	if _, err := srv.Client(t).PutObject(ctx, srv.Bucket, r.BlobKey(victim), bytes.NewReader(evil), int64(len(evil)), minio.PutObjectOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	putRaw(t, srv, r.BlobKey(victim), evil)
 	b := newStore(t)
 	_, err := r.Pull(ctx, b, root)
 	if !errdefs.IsDataLoss(err) {
@@ -549,4 +547,12 @@ func TestPushAfterSmallCommit(t *testing.T) {
 		t.Fatalf("%d requests for %d changed path components: more than 3 each", res.Requests, components)
 	}
 	checkBucketComplete(t, srv, r1)
+}
+
+// putRaw writes an object into the bucket behind Tidepool's back.
+func putRaw(t *testing.T, srv *s3test.Server, key string, data []byte) {
+	t.Helper()
+	if _, err := srv.Client(t).PutObject(context.Background(), srv.Bucket, key, bytes.NewReader(data), int64(len(data)), minio.PutObjectOptions{}); err != nil {
+		t.Fatal(err)
+	}
 }
