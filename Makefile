@@ -6,6 +6,8 @@ DEPS_BIN      := $(CURDIR)/.deps/bin
 BIN           := $(CURDIR)/bin
 CONTAINERD_VERSION := v2.4.2
 RUNC_VERSION       := v1.5.2
+# MinIO, the real S3 server the remote tests and benchmarks start per test (pinned pseudo-version)
+MINIO_VERSION      := v0.0.0-20260212201848-7aac2a2c5b7c
 PROTOC_GEN_GO_VERSION      := v1.36.12
 PROTOC_GEN_GO_GRPC_VERSION := v1.6.2
 DEBIAN_PACKAGES := libseccomp-dev pkg-config fuse3 umoci busybox-static runsc git ca-certificates xz-utils
@@ -26,7 +28,7 @@ build:
 	$(GO) build -o $(BIN)/ ./cmd/...
 
 ## deps: install every tool the tests need (idempotent, pinned). Needs root on Debian.
-deps: $(DEPS_BIN)/.containerd-$(CONTAINERD_VERSION) $(DEPS_BIN)/.runc-$(RUNC_VERSION) .deps/.apt
+deps: $(DEPS_BIN)/.containerd-$(CONTAINERD_VERSION) $(DEPS_BIN)/.runc-$(RUNC_VERSION) $(DEPS_BIN)/.minio-$(MINIO_VERSION) .deps/.apt
 
 .deps/.apt:
 	@mkdir -p .deps
@@ -52,6 +54,11 @@ $(DEPS_BIN)/.containerd-$(CONTAINERD_VERSION): .deps/.apt
 $(DEPS_BIN)/.runc-$(RUNC_VERSION): .deps/.apt
 	@mkdir -p $(DEPS_BIN)
 	GOBIN=$(DEPS_BIN) $(GO) install -tags seccomp github.com/opencontainers/runc@$(RUNC_VERSION)
+	@touch $@
+
+$(DEPS_BIN)/.minio-$(MINIO_VERSION):
+	@mkdir -p $(DEPS_BIN)
+	GOBIN=$(DEPS_BIN) $(GO) install github.com/minio/minio@$(MINIO_VERSION)
 	@touch $@
 
 ## demo: the main job end to end on an embedded default (own containerd + tidepoold

@@ -36,6 +36,7 @@ type Config struct {
 	// limits as flags): a tree is a DAG, so a few objects can spell billions of paths.
 	Limits casstore.Limits `toml:"limits"`
 	Pools  PoolsConfig     `toml:"pools"`
+	Remote RemoteConfig    `toml:"remote"`
 }
 
 // StoreConfig locates the object store.
@@ -116,6 +117,7 @@ func DefaultConfig() *Config {
 		Pools: PoolsConfig{
 			Namespace: "tidepool",
 		},
+		Remote: RemoteConfig{Concurrency: 32},
 	}
 }
 

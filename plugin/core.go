@@ -15,6 +15,7 @@ import (
 	"github.com/tidepool-dev/tidepool/casstore"
 	"github.com/tidepool-dev/tidepool/casstore/forks"
 	"github.com/tidepool-dev/tidepool/casstore/gc"
+	"github.com/tidepool-dev/tidepool/remote"
 	"github.com/tidepool-dev/tidepool/snapshotter"
 )
 
@@ -27,6 +28,8 @@ type Core struct {
 	Forks       *forks.DB
 	Views       *ViewHost
 	Snapshotter *snapshotter.Snapshotter
+	// Remote is the shared bucket ([remote]); nil when none is configured.
+	Remote *remote.Remote
 
 	cancel context.CancelFunc
 	wg     sync.WaitGroup
@@ -60,17 +63,27 @@ func NewCore(ctx context.Context, cfg *Config) (_ *Core, retErr error) {
 	}()
 	views := NewViewHost(store, cfg.Views)
 	views.Limits = cfg.Limits
+	var rm *remote.Remote
+	var rf snapshotter.Remote
+	if cfg.Remote.URL != "" {
+		if rm, err = remote.Open(cfg.Remote.client()); err != nil {
+			return nil, fmt.Errorf("config: remote: %w", err)
+		}
+		views.Source = rm
+		rf = remoteForks{r: rm, store: store, eager: cfg.Remote.Eager}
+	}
 	sn, err := snapshotter.New(ctx, snapshotter.Config{
 		Root:         cfg.Root,
 		MountOptions: cfg.Snapshotter.MountOptions,
 		AsyncRemove:  !cfg.Snapshotter.SyncRemove,
 		Defaults:     binding.Defaults{Workdir: cfg.Snapshotter.DefaultWorkdir, UID: uid, GID: gid},
+		Remote:       rf,
 	}, store, db, views)
 	if err != nil {
 		return nil, err
 	}
 	bg, cancel := context.WithCancel(context.WithoutCancel(ctx))
-	c := &Core{Config: cfg, Store: store, Forks: db, Views: views, Snapshotter: sn, cancel: cancel}
+	c := &Core{Config: cfg, Store: store, Forks: db, Views: views, Snapshotter: sn, Remote: rm, cancel: cancel}
 	c.every(bg, time.Duration(cfg.Maintenance.ForkSweepInterval), c.sweepForks)
 	c.every(bg, time.Hour, c.sweepTemp)
 	c.every(bg, time.Duration(cfg.Maintenance.GCInterval), c.collectGarbage)
@@ -128,7 +141,11 @@ func (c *Core) sweepTemp(ctx context.Context) {
 
 // Collectors are the Prometheus collectors of the core's components.
 func (c *Core) Collectors() []prometheus.Collector {
-	return []prometheus.Collector{c.Snapshotter.Metrics(), c.Views.Collector()}
+	cs := []prometheus.Collector{c.Snapshotter.Metrics(), c.Views.Collector()}
+	if c.Remote != nil {
+		cs = append(cs, c.Remote.Metrics())
+	}
+	return cs
 }
 
 // Close stops upkeep, unmounts every view this process serves and closes the

@@ -24,6 +24,9 @@ type ViewHost struct {
 	stats *fuse.Stats
 	// Limits bound each view's directories (set by NewCore from Config.Limits).
 	Limits casstore.Limits
+	// Source, if set, supplies objects the store lacks (the remote), fetched per
+	// file on first use.
+	Source fuse.BlobSource
 
 	mu    sync.Mutex
 	views map[string]*fuse.View
@@ -66,6 +69,7 @@ func (h *ViewHost) Mount(ctx context.Context, dir string, spec snapshotter.ViewS
 		AttrTimeout:        time.Duration(h.cfg.AttrTimeout),
 		Stats:              h.stats,
 		Limits:             h.Limits,
+		Source:             h.Source,
 	})
 	if err != nil {
 		return err

@@ -52,6 +52,9 @@ type Config struct {
 	AsyncRemove bool
 	// Defaults fill the workdir and owner a request leaves out.
 	Defaults binding.Defaults
+	// Remote, if set, serves "remote:NAME" forks and roots missing locally, and
+	// receives the commits of forks made from remote refs.
+	Remote Remote
 }
 
 // Snapshotter implements snapshots.Snapshotter.
@@ -66,6 +69,7 @@ type Snapshotter struct {
 	options  []string
 	locks    *locker.Locker
 	metrics  *Metrics
+	remote   Remote
 }
 
 var _ snapshots.Snapshotter = (*Snapshotter)(nil)
@@ -97,6 +101,7 @@ func New(ctx context.Context, cfg Config, store *casstore.Store, fk ForkStore, v
 	s := &Snapshotter{
 		root: cfg.Root, ms: ms, overlay: ov, store: store, forks: fk, views: views,
 		defaults: cfg.Defaults, options: options, locks: locker.New(), metrics: newMetrics(),
+		remote: cfg.Remote,
 	}
 	s.detachStaleViews(ctx)
 	return s, nil
@@ -303,11 +308,17 @@ func (s *Snapshotter) ensureView(ctx context.Context, id string, b bound) error 
 // gets a record of its own, labelled with the snapshot key, so the container's result
 // can always be found with `tidepool forks`.
 func (s *Snapshotter) resolveFork(ctx context.Context, ref, key string) (forkID string, root casstore.Hash, isNew bool, err error) {
+	if name, ok := binding.RemoteRef(ref); ok {
+		return s.resolveRemoteFork(ctx, name, key)
+	}
 	t, err := forks.Resolve(ctx, s.forks, ref)
 	if err != nil {
 		if errdefs.IsNotFound(err) {
 			return "", root, false, fmt.Errorf("%v: %w", err, errdefs.ErrInvalidArgument)
 		}
+		return "", root, false, err
+	}
+	if err := s.hydrateRoot(ctx, t.Root); err != nil {
 		return "", root, false, err
 	}
 	if err := s.checkRoot(t.Root); err != nil {
@@ -463,6 +474,7 @@ func (s *Snapshotter) commitToFork(ctx context.Context, key, id string, b bound)
 		logger.WithField("new_fork", forkID).Warn("fork moved while the container ran; its changes went to a new fork")
 	default:
 		logger.Debug("committed snapshot changes to fork")
+		return forkID, newRoot, s.publish(ctx, key, forkID, b.base, newRoot)
 	}
 	return forkID, newRoot, nil
 }

@@ -29,6 +29,7 @@ type app struct {
 
 	apiAddress string
 	limits     casstore.Limits
+	remote     remoteFlags
 
 	store   *casstore.Store
 	forks   forks.Service
@@ -61,6 +62,7 @@ func newRootCommand() *cobra.Command {
 	f.Int64Var(&a.limits.MaxEntries, "max-tree-entries", d.MaxEntries, "refuse to walk a tree that expands to more entries (paths) than this")
 	f.IntVar(&a.limits.MaxDepth, "max-tree-depth", d.MaxDepth, "refuse to walk a tree nested deeper than this")
 	f.Int64Var(&a.limits.MaxBytes, "max-tree-bytes", d.MaxBytes, "refuse to check out a tree holding more bytes of file content than this")
+	a.remote.register(f)
 	for _, add := range commands {
 		cmd.AddCommand(add(a))
 	}

@@ -1,0 +1,276 @@
+package remote_test
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"io"
+	"os"
+	"path/filepath"
+	"runtime"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/minio/minio-go/v7"
+
+	"github.com/tidepool-dev/tidepool/casstore"
+	"github.com/tidepool-dev/tidepool/casstore/ingest"
+	"github.com/tidepool-dev/tidepool/remote"
+	"github.com/tidepool-dev/tidepool/remote/s3test"
+)
+
+// corpus is the Go source tree ingested once per test binary (benchmarks run their
+// function more than once, and ingesting 11k files is the slow part of set-up).
+var corpus struct {
+	once  sync.Once
+	dir   string
+	store *casstore.Store
+	root  casstore.Hash
+	total int64
+	n     int
+	err   error
+}
+
+func TestMain(m *testing.M) {
+	code := m.Run()
+	if corpus.dir != "" {
+		os.RemoveAll(corpus.dir)
+	}
+	os.Exit(code)
+}
+
+// goTree returns the Go source tree ingested into a store, its total size and its
+// number of distinct objects.
+func goTree(b *testing.B, _ *s3test.Server) (*casstore.Store, casstore.Hash, int64, int) {
+	b.Helper()
+	src := filepath.Join(runtime.GOROOT(), "src")
+	if _, err := os.Stat(src); err != nil {
+		b.Skipf("Go source tree not available: %v", err)
+	}
+	corpus.once.Do(func() {
+		if corpus.dir, corpus.err = os.MkdirTemp("", "tidepool-remote-bench-"); corpus.err != nil {
+			return
+		}
+		if corpus.store, corpus.err = casstore.Open(filepath.Join(corpus.dir, "cas")); corpus.err != nil {
+			return
+		}
+		corpus.root, _, corpus.err = ingest.Dir(context.Background(), corpus.store, src, ingest.Options{})
+	})
+	if corpus.err != nil {
+		b.Fatal(corpus.err)
+	}
+	s := corpus.store
+	var total int64
+	n := 0
+	seen := map[casstore.Hash]bool{}
+	var walk func(h casstore.Hash)
+	walk = func(h casstore.Hash) {
+		if seen[h] {
+			return
+		}
+		seen[h] = true
+		n++
+		sz, _ := s.Size(h)
+		total += sz
+		t, err := s.ReadTree(h)
+		if err != nil {
+			b.Fatal(err)
+		}
+		for _, e := range t {
+			if e.Mode.IsDir() {
+				walk(e.Hash)
+			} else if !seen[e.Hash] {
+				seen[e.Hash] = true
+				n++
+				sz, _ := s.Size(e.Hash)
+				total += sz
+			}
+		}
+	}
+	walk(corpus.root)
+	return s, corpus.root, total, n
+}
+
+func benchRemote(b *testing.B, srv *s3test.Server) *remote.Remote {
+	r, err := remote.Open(remote.Config{URL: "s3://" + srv.Bucket + "/bench", Endpoint: srv.Endpoint()})
+	if err != nil {
+		b.Fatal(err)
+	}
+	return r
+}
+
+// BenchmarkPullGoTree: pull of the Go source tree (every object, verified, stored
+// durably) into an empty store, against the bandwidth baseline of one GET of a
+// single object of the same total size from the same MinIO. Goal: >= 0.5x.
+func BenchmarkPullGoTree(b *testing.B) {
+	srv := s3test.Start(b)
+	ctx := context.Background()
+	s, root, total, n := goTree(b, srv)
+	r := benchRemote(b, srv)
+	if _, err := r.Push(ctx, s, root, remote.PushOptions{Ref: "main"}); err != nil {
+		b.Fatal(err)
+	}
+	big := make([]byte, total)
+	rand.Read(big)
+	c := srv.Client(b)
+	if _, err := c.PutObject(ctx, srv.Bucket, "baseline", bytes.NewReader(big), total, minio.PutObjectOptions{}); err != nil {
+		b.Fatal(err)
+	}
+	big = nil
+	b.Logf("corpus: %d objects, %.1f MB", n, float64(total)/1e6)
+	// A second baseline: the same objects fetched by plain parallel GETs that store
+	// nothing, which is what the server can do per object on this machine.
+	keys := make([]string, 0, n)
+	for o := range c.ListObjects(ctx, srv.Bucket, minio.ListObjectsOptions{Prefix: "bench/blobs/", Recursive: true}) {
+		keys = append(keys, o.Key)
+	}
+	rawStart := time.Now()
+	work := make(chan string)
+	var wg sync.WaitGroup
+	for w := 0; w < remote.DefaultConcurrency; w++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for k := range work {
+				obj, err := c.GetObject(ctx, srv.Bucket, k, minio.GetObjectOptions{})
+				if err == nil {
+					io.Copy(io.Discard, obj)
+					obj.Close()
+				}
+			}
+		}()
+	}
+	for _, k := range keys {
+		work <- k
+	}
+	close(work)
+	wg.Wait()
+	rawDur := time.Since(rawStart)
+	var pullDur, getDur time.Duration
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		b.StopTimer()
+		dst, err := casstore.Open(filepath.Join(b.TempDir(), "cas"))
+		if err != nil {
+			b.Fatal(err)
+		}
+		b.StartTimer()
+		start := time.Now()
+		obj, err := c.GetObject(ctx, srv.Bucket, "baseline", minio.GetObjectOptions{})
+		if err != nil {
+			b.Fatal(err)
+		}
+		if got, err := io.Copy(io.Discard, obj); err != nil || got != total {
+			b.Fatalf("baseline GET: %d bytes, %v", got, err)
+		}
+		obj.Close()
+		getDur += time.Since(start)
+		start = time.Now()
+		res, err := r.Pull(ctx, dst, root)
+		if err != nil {
+			b.Fatal(err)
+		}
+		pullDur += time.Since(start)
+		if res.Objects+res.Present != int64(n) || res.Present > 1 { // H("") is made locally
+			b.Fatalf("pulled %d objects (%d present), want %d", res.Objects, res.Present, n)
+		}
+		b.StopTimer()
+		os.RemoveAll(dst.Root())
+		b.StartTimer()
+	}
+	pullMBs := float64(total) * float64(b.N) / 1e6 / pullDur.Seconds()
+	getMBs := float64(total) * float64(b.N) / 1e6 / getDur.Seconds()
+	b.ReportMetric(pullMBs, "pull-MB/s")
+	b.ReportMetric(getMBs, "single-GET-MB/s")
+	b.ReportMetric(pullMBs/getMBs, "x-of-single-GET(goal>=0.5)")
+	b.ReportMetric(float64(n)*float64(b.N)/pullDur.Seconds(), "objects/s")
+	b.ReportMetric(float64(len(keys))/rawDur.Seconds(), "plain-parallel-GET-objects/s")
+}
+
+// BenchmarkPushSmallCommit: push after a commit that changed ten files in ten
+// directories of the Go tree, against the full push of the tree: requests made (goal
+// <= 3 per changed path component) and time.
+func BenchmarkPushSmallCommit(b *testing.B) {
+	srv := s3test.Start(b)
+	ctx := context.Background()
+	s, root, _, _ := goTree(b, srv)
+	changed := []string{"fmt/print.go", "errors/errors.go", "os/file.go", "net/http/server.go", "strings/strings.go",
+		"bytes/buffer.go", "io/io.go", "sort/sort.go", "time/time.go", "encoding/json/encode.go"}
+	var fullDur, smallDur time.Duration
+	var fullReq, smallReq, components int64
+	for i := 0; i < b.N; i++ {
+		b.StopTimer()
+		r, err := remote.Open(remote.Config{URL: "s3://" + srv.Bucket + "/push-" + time.Now().Format("150405.000000"), Endpoint: srv.Endpoint()})
+		if err != nil {
+			b.Fatal(err)
+		}
+		upper := b.TempDir()
+		for _, p := range changed {
+			full := filepath.Join(upper, p)
+			os.MkdirAll(filepath.Dir(full), 0o755)
+			if err := os.WriteFile(full, []byte(time.Now().String()+p), 0o644); err != nil {
+				b.Fatal(err)
+			}
+		}
+		r1, err := ingest.Upper(ctx, s, root, upper, "", ingest.Options{})
+		if err != nil {
+			b.Fatal(err)
+		}
+		components = int64(countNew(b, s, root, r1))
+		b.StartTimer()
+		start := time.Now()
+		full, err := r.Push(ctx, s, root, remote.PushOptions{Ref: "main"})
+		if err != nil {
+			b.Fatal(err)
+		}
+		fullDur += time.Since(start)
+		fullReq += full.Requests
+		start = time.Now()
+		small, err := r.Push(ctx, s, r1, remote.PushOptions{Ref: "main", Expect: &root})
+		if err != nil {
+			b.Fatal(err)
+		}
+		smallDur += time.Since(start)
+		smallReq += small.Requests
+	}
+	nb := float64(b.N)
+	b.ReportMetric(float64(smallReq)/nb, "requests")
+	b.ReportMetric(float64(smallReq)/nb/float64(components), "requests/changed-component(goal<=3)")
+	b.ReportMetric(float64(fullReq)/nb, "full-push-requests")
+	b.ReportMetric(smallDur.Seconds()/nb*1000, "ms")
+	b.ReportMetric(fullDur.Seconds()/nb*1000, "full-push-ms")
+	b.ReportMetric(smallDur.Seconds()/fullDur.Seconds(), "x-of-full-push-time")
+}
+
+// countNew counts the objects reachable from r1 and not from r0.
+func countNew(b *testing.B, s *casstore.Store, r0, r1 casstore.Hash) int {
+	old := map[casstore.Hash]bool{}
+	var walk func(h casstore.Hash, into map[casstore.Hash]bool)
+	walk = func(h casstore.Hash, into map[casstore.Hash]bool) {
+		into[h] = true
+		t, err := s.ReadTree(h)
+		if err != nil {
+			b.Fatal(err)
+		}
+		for _, e := range t {
+			if e.Mode.IsDir() {
+				if !into[e.Hash] {
+					walk(e.Hash, into)
+				}
+			} else {
+				into[e.Hash] = true
+			}
+		}
+	}
+	walk(r0, old)
+	cur := map[casstore.Hash]bool{}
+	walk(r1, cur)
+	n := 0
+	for h := range cur {
+		if !old[h] {
+			n++
+		}
+	}
+	return n
+}
