@@ -185,3 +185,7 @@ func ensureDir(dir string) error {
 	}
 	return nil
 }
+
+// UnmountDir detaches the kernel view at dir; a dir without one is fine. Containers
+// whose overlay uses the view as a layer keep working.
+func UnmountDir(dir string) error { return unmountView(dir) }

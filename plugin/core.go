@@ -52,7 +52,10 @@ func NewCore(ctx context.Context, cfg *Config) (_ *Core, retErr error) {
 			db.Close()
 		}
 	}()
-	views := NewViewHost(store, cfg.Views)
+	views, err := NewViewHost(store, cfg.Views, cfg.Root)
+	if err != nil {
+		return nil, err
+	}
 	sn, err := snapshotter.New(ctx, snapshotter.Config{
 		Root:         cfg.Root,
 		MountOptions: cfg.Snapshotter.MountOptions,
@@ -64,6 +67,7 @@ func NewCore(ctx context.Context, cfg *Config) (_ *Core, retErr error) {
 	}
 	bg, cancel := context.WithCancel(context.WithoutCancel(ctx))
 	c := &Core{Config: cfg, Store: store, Forks: db, Views: views, Snapshotter: sn, cancel: cancel}
+	views.CollectImages(ctx) // images of views that went while no daemon ran
 	c.every(bg, time.Duration(cfg.Maintenance.ForkSweepInterval), c.sweepForks)
 	c.every(bg, time.Hour, c.sweepTemp)
 	c.every(bg, time.Duration(cfg.Maintenance.GCInterval), c.collectGarbage)
@@ -73,7 +77,12 @@ func NewCore(ctx context.Context, cfg *Config) (_ *Core, retErr error) {
 // collectGarbage deletes objects no fork, pin or active snapshot (snapshots pin
 // their roots) reaches, keeping anything written within the grace period.
 func (c *Core) collectGarbage(ctx context.Context) {
-	res, err := gc.Collect(ctx, c.Store, c.Forks, gc.Options{Grace: time.Duration(c.Config.Maintenance.GCGrace)})
+	kernelRoots, err := c.Views.KernelRoots()
+	if err != nil {
+		log.G(ctx).WithError(err).Warn("garbage collection skipped: cannot list the roots of mounted kernel views")
+		return
+	}
+	res, err := gc.Collect(ctx, c.Store, c.Forks, gc.Options{Grace: time.Duration(c.Config.Maintenance.GCGrace), Roots: kernelRoots})
 	if err != nil {
 		log.G(ctx).WithError(err).Warn("garbage collection failed")
 		return
