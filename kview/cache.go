@@ -68,6 +68,8 @@ func (c *Cache) image(ctx context.Context, spec Spec) (string, error) {
 	if _, err := os.Stat(img); err == nil {
 		if err := c.checkObjects(ctx, spec, key); err == nil {
 			c.stats.CacheHits.Add(1)
+			now := time.Now()
+			_ = os.Chtimes(img, now, now) // last use, for Collect's grace
 			return img, nil
 		} else if !errors.Is(err, fs.ErrNotExist) {
 			return "", err
@@ -192,8 +194,14 @@ func mountedKeys() (map[string]bool, error) {
 	return keys, nil
 }
 
-// Collect removes the cached images that no mounted view uses and returns how many.
-func (c *Cache) Collect(ctx context.Context) (int, error) {
+// DefaultGrace is how long an image no view uses stays cached after its last use, so
+// that containers run one after another on one tree (ctr run --rm in a loop) build it
+// once.
+const DefaultGrace = 10 * time.Minute
+
+// Collect removes the cached images that no mounted view uses and that were last used
+// more than grace ago, and returns how many.
+func (c *Cache) Collect(ctx context.Context, grace time.Duration) (int, error) {
 	c.gate.Lock()
 	defer c.gate.Unlock()
 	keys, err := mountedKeys()
@@ -213,14 +221,19 @@ func (c *Cache) Collect(ctx context.Context) (int, error) {
 			}
 			continue
 		}
-		key, ext, ok := strings.Cut(name, ".")
+		key, _, ok := strings.Cut(name, ".")
 		if !ok || keys[key] {
 			continue
+		}
+		if grace > 0 {
+			if info, err := os.Stat(c.path(key, ".erofs")); err == nil && time.Since(info.ModTime()) < grace {
+				continue
+			}
 		}
 		if err := os.Remove(filepath.Join(c.dir, name)); err != nil && !errors.Is(err, fs.ErrNotExist) {
 			return n, fmt.Errorf("image cache: %w", err)
 		}
-		if ext == "erofs" {
+		if strings.HasSuffix(name, ".erofs") {
 			n++
 		}
 	}

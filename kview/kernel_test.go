@@ -242,7 +242,7 @@ func TestCacheSharedAndCollected(t *testing.T) {
 		t.Errorf("second mount at one dir: %v, want AlreadyExists", err)
 	}
 	img := filepath.Join(h.Cache().Dir(), spec.Key()+".erofs")
-	if removed, err := h.Cache().Collect(context.Background()); err != nil || removed != 0 {
+	if removed, err := h.Cache().Collect(context.Background(), 0); err != nil || removed != 0 {
 		t.Fatalf("collect with views mounted: removed %d, %v", removed, err)
 	}
 	roots, err := h.Cache().MountedRoots()
@@ -270,7 +270,7 @@ func TestCacheSharedAndCollected(t *testing.T) {
 	if err := h.Unmount(context.Background(), dirs[0]); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := h.Cache().Collect(context.Background()); err != nil {
+	if _, err := h.Cache().Collect(context.Background(), 0); err != nil {
 		t.Fatal(err)
 	}
 	if ents, _ := os.ReadDir(h.Cache().Dir()); len(ents) != 0 {

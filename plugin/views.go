@@ -94,12 +94,13 @@ func (h *ViewHost) KernelRoots() ([]casstore.Hash, error) {
 	return h.kernel.Cache().MountedRoots()
 }
 
-// CollectImages removes cached kernel view images no mounted view uses.
+// CollectImages removes cached kernel view images no mounted view has used for
+// kview.DefaultGrace.
 func (h *ViewHost) CollectImages(ctx context.Context) {
 	if h.kernel == nil {
 		return
 	}
-	if n, err := h.kernel.Cache().Collect(ctx); err != nil {
+	if n, err := h.kernel.Cache().Collect(ctx, kview.DefaultGrace); err != nil {
 		log.G(ctx).WithError(err).Warn("collecting kernel view images failed")
 	} else if n > 0 {
 		log.G(ctx).WithField("images", n).Debug("collected unused kernel view images")

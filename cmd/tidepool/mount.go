@@ -269,7 +269,8 @@ func mountKernel(ctx context.Context, a *app, f mountFlags, ref, dir string, uid
 	return true, nil
 }
 
-// umountKernel unmounts the kernel view at dir and collects images no view uses.
+// umountKernel unmounts the kernel view at dir and collects images no view has used
+// for kview.DefaultGrace.
 func umountKernel(ctx context.Context, a *app, dir string, lazy bool) error {
 	var err error
 	if lazy {
@@ -288,7 +289,7 @@ func umountKernel(ctx context.Context, a *app, dir string, lazy bool) error {
 	if err != nil {
 		return err
 	}
-	_, err = h.Cache().Collect(ctx)
+	_, err = h.Cache().Collect(ctx, kview.DefaultGrace)
 	return err
 }
 
