@@ -53,7 +53,7 @@ func TestContainersSurviveDaemonKill(t *testing.T) {
 	sum := fmt.Sprintf("%x", md5.Sum([]byte(cat.String())))
 	root := s.Ingest(t, writeTree(t, files))
 
-	const n, rounds = 20, 40
+	const n, rounds = 20, 30
 	var wg sync.WaitGroup
 	outs := make([]string, n)
 	errs := make([]error, n)
@@ -75,7 +75,11 @@ for r in $(seq 1 %d); do
 done
 echo ok`, rounds, sum)
 			args := append([]string{"run", "--rm", "--fifo-dir", s.C.FIFODir}, forkLabels(root, "/app")...)
-			outs[i], errs[i] = s.Ctr(append(args, imagebuild.BusyboxRef, id, "sh", "-c", script)...)
+			// Twenty containers reading in a loop on a loaded 2-core machine can take
+			// longer than Ctr's default bound.
+			ctx, cancel := context.WithTimeout(context.Background(), 15*time.Minute)
+			defer cancel()
+			outs[i], errs[i] = s.C.CtrContext(ctx, "", append(args, imagebuild.BusyboxRef, id, "sh", "-c", script)...)
 		}()
 	}
 
