@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -17,6 +18,7 @@ import (
 	"github.com/containerd/log"
 	"github.com/spf13/cobra"
 
+	"github.com/tidepool-dev/tidepool/casstore"
 	"github.com/tidepool-dev/tidepool/fuse"
 	"github.com/tidepool-dev/tidepool/kview"
 )
@@ -267,6 +269,24 @@ func mountKernel(ctx context.Context, a *app, f mountFlags, ref, dir string, uid
 	}
 	lg.WithField("root", t.Root).Info("kernel view mounted")
 	return true, nil
+}
+
+// kernelViewRoots lists the roots of the kernel views mounted from this root's image
+// cache, which garbage collection must keep.
+func kernelViewRoots(a *app) ([]casstore.Hash, error) {
+	dir := filepath.Join(a.kviewDir(), "images")
+	if _, err := os.Stat(dir); errors.Is(err, fs.ErrNotExist) {
+		return nil, nil
+	}
+	store, err := a.openStore()
+	if err != nil {
+		return nil, err
+	}
+	c, err := kview.NewCache(dir, store, nil)
+	if err != nil {
+		return nil, err
+	}
+	return c.MountedRoots()
 }
 
 // umountKernel unmounts the kernel view at dir and collects images no view has used

@@ -362,6 +362,29 @@ func TestMountKernelMode(t *testing.T) {
 		t.Errorf("image not kept for the next mount after umount")
 	}
 
+	// GC keeps the objects of a mounted kernel view of a root no fork names.
+	s0, err := casstore.Open(filepath.Join(e.root, "cas"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	lone, _ := s0.PutBytes([]byte("only in a kernel view\n"))
+	loneTree, err := s0.WriteTree([]casstore.Entry{{Mode: casstore.ModeFile, Name: "lone.txt", Hash: lone}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, stderr, err := e.run(t, "mount", "--mode", "kernel", loneTree.String(), dir); err != nil {
+		t.Fatalf("mount --mode kernel: %v: %s", err, stderr)
+	}
+	if _, stderr, err := e.run(t, "gc", "--grace", "0"); err != nil {
+		t.Fatalf("gc: %v: %s", err, stderr)
+	}
+	if b, err := os.ReadFile(filepath.Join(dir, "lone.txt")); err != nil || string(b) != "only in a kernel view\n" {
+		t.Fatalf("kernel view after gc: %q %v", b, err)
+	}
+	if _, stderr, err := e.run(t, "umount", dir); err != nil {
+		t.Fatalf("umount: %v: %s", err, stderr)
+	}
+
 	// A tree with an object missing from the store.
 	s, err := casstore.Open(filepath.Join(e.root, "cas"))
 	if err != nil {
