@@ -66,10 +66,13 @@ $(DEPS_BIN)/.minio-$(MINIO_VERSION):
 demo: deps build
 	$(GO) test -count=1 -v -timeout 20m -run '^TestDemo$$' ./integration/demo/
 
-## test: every test, unit and real-stack, with the race detector (root runs them all)
+## test: every test, unit and real-stack, with the race detector (root runs them all);
+## views.mode auto (kernel views where the kernel has them), then the snapshotter and
+## real-stack tests again with FUSE views
 test: deps build
 	$(GO) vet ./...
 	$(GO) test $(GO_TEST_FLAGS) ./...
+	TIDEPOOL_VIEWS_MODE=fuse $(GO) test $(GO_TEST_FLAGS) ./snapshotter/ ./integration/e2e/
 
 ## unit-test: the tests that need neither root nor the installed tools
 unit-test:

@@ -7,6 +7,8 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+
+	"github.com/tidepool-dev/tidepool/kview"
 )
 
 // Status is a check's outcome.
@@ -99,6 +101,17 @@ func KernelViews(ctx context.Context, root string) error {
 	for _, c := range []Check{OverlayDataOnly(ctx, k), EROFS(ctx, root, k), TrustedXattrs(root)} {
 		if !c.OK() {
 			missing = append(missing, fmt.Sprintf("%s: %s (%s)", c.Name, c.Status, c.Detail))
+		}
+	}
+	if len(missing) == 0 {
+		// The pieces are there: now mount a real one-file view the way the daemon
+		// does, so a nil answer means views work, not merely that they should.
+		dir, err := probeDir(root)
+		if err == nil {
+			err = kview.Probe(dir)
+		}
+		if err != nil {
+			missing = append(missing, fmt.Sprintf("a one-file kernel view: %v", err))
 		}
 	}
 	if len(missing) > 0 {

@@ -52,8 +52,9 @@ type SnapshotterConfig struct {
 	SyncRemove     bool     `toml:"sync_remove" comment:"Remove snapshot directories during Remove instead of in containerd's cleanup."`
 }
 
-// ViewsConfig tunes the FUSE fork views.
+// ViewsConfig chooses how fork views are served and tunes the FUSE ones.
 type ViewsConfig struct {
+	Mode         string   `toml:"mode" comment:"How fork views are served: 'kernel' (a metadata-only EROFS image over the object store, read by the kernel\nalone: native speed, survives tidepoold restarts; kernel >= 6.12), 'fuse' (served by tidepoold; lazy\nhydration, late binding), or 'auto': kernel when the kernel supports it and every object of the tree is\nlocal, FUSE otherwise. Late-bound views (warm pool members) are always FUSE."`
 	Passthrough  bool     `toml:"passthrough" comment:"Use FUSE passthrough (kernel >= 6.9) so reads of local blobs bypass the daemon."`
 	NoOpen       bool     `toml:"no_open" comment:"Kernel open caching: no FUSE round trip per open (warm small-file reads near native), but no passthrough and\na page cache per view (N containers on one root cache each file N times). Off by default."`
 	EntryTimeout Duration `toml:"entry_timeout" comment:"How long the kernel caches names; objects never change, so long is safe."`
@@ -103,6 +104,7 @@ func DefaultConfig() *Config {
 			DefaultOwner:   "0:0",
 		},
 		Views: ViewsConfig{
+			Mode:         "auto",
 			Passthrough:  true,
 			EntryTimeout: Duration(time.Hour),
 			AttrTimeout:  Duration(time.Hour),
@@ -169,6 +171,11 @@ func (c *Config) Validate() error {
 	}
 	if _, _, err := binding.ParseOwner(c.Snapshotter.DefaultOwner); err != nil {
 		return fmt.Errorf("config: snapshotter.default_owner: %w", err)
+	}
+	switch c.Views.Mode {
+	case "", ModeAuto, ModeKernel, ModeFUSE:
+	default:
+		return fmt.Errorf("config: views.mode %q: want %q, %q or %q", c.Views.Mode, ModeAuto, ModeKernel, ModeFUSE)
 	}
 	return nil
 }

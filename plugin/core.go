@@ -61,7 +61,10 @@ func NewCore(ctx context.Context, cfg *Config) (_ *Core, retErr error) {
 			db.Close()
 		}
 	}()
-	views := NewViewHost(store, cfg.Views)
+	views, err := NewViewHost(store, cfg.Views, cfg.Root)
+	if err != nil {
+		return nil, err
+	}
 	views.Limits = cfg.Limits
 	var rm *remote.Remote
 	var rf snapshotter.Remote
@@ -71,6 +74,11 @@ func NewCore(ctx context.Context, cfg *Config) (_ *Core, retErr error) {
 		}
 		views.Source = rm
 		rf = remoteForks{r: rm, store: store, eager: cfg.Remote.Eager}
+		// In kernel mode a remote tree is fetched before its mount (only what is
+		// missing); auto serves it lazily through FUSE unless [remote] eager fetched it.
+		if k := views.Kernel(); k != nil && cfg.Views.Mode == ModeKernel {
+			k.Hydrator = kernelHydrator{r: rm, store: store, conc: cfg.Remote.Concurrency}
+		}
 	}
 	sn, err := snapshotter.New(ctx, snapshotter.Config{
 		Root:         cfg.Root,
@@ -84,6 +92,7 @@ func NewCore(ctx context.Context, cfg *Config) (_ *Core, retErr error) {
 	}
 	bg, cancel := context.WithCancel(context.WithoutCancel(ctx))
 	c := &Core{Config: cfg, Store: store, Forks: db, Views: views, Snapshotter: sn, Remote: rm, cancel: cancel}
+	views.CollectImages(ctx) // images of views that went while no daemon ran
 	c.every(bg, time.Duration(cfg.Maintenance.ForkSweepInterval), c.sweepForks)
 	c.every(bg, time.Hour, c.sweepTemp)
 	c.every(bg, time.Duration(cfg.Maintenance.GCInterval), c.collectGarbage)
@@ -93,7 +102,12 @@ func NewCore(ctx context.Context, cfg *Config) (_ *Core, retErr error) {
 // collectGarbage deletes objects no fork, pin or active snapshot (snapshots pin
 // their roots) reaches, keeping anything written within the grace period.
 func (c *Core) collectGarbage(ctx context.Context) {
-	res, err := gc.Collect(ctx, c.Store, c.Forks, gc.Options{Grace: time.Duration(c.Config.Maintenance.GCGrace)})
+	kernelRoots, err := c.Views.KernelRoots()
+	if err != nil {
+		log.G(ctx).WithError(err).Warn("garbage collection skipped: cannot list the roots of mounted kernel views")
+		return
+	}
+	res, err := gc.Collect(ctx, c.Store, c.Forks, gc.Options{Grace: time.Duration(c.Config.Maintenance.GCGrace), Roots: kernelRoots})
 	if err != nil {
 		log.G(ctx).WithError(err).Warn("garbage collection failed")
 		return

@@ -3,6 +3,8 @@ package plugin
 import (
 	"context"
 
+	"golang.org/x/sync/errgroup"
+
 	"github.com/tidepool-dev/tidepool/casstore"
 	"github.com/tidepool-dev/tidepool/remote"
 	"github.com/tidepool-dev/tidepool/snapshotter"
@@ -47,4 +49,25 @@ func (f remoteForks) EnsureRoot(ctx context.Context, root casstore.Hash) error {
 func (f remoteForks) Publish(ctx context.Context, ref string, expect, root casstore.Hash) error {
 	_, err := f.r.Push(ctx, f.store, root, remote.PushOptions{Ref: ref, Expect: &expect, Base: expect})
 	return err
+}
+
+// kernelHydrator fetches the objects a kernel view's tree misses from the remote: a
+// kernel view shows only local objects, so they are fetched (each verified) before
+// the mount, in parallel.
+type kernelHydrator struct {
+	r     *remote.Remote
+	store *casstore.Store
+	conc  int
+}
+
+func (k kernelHydrator) Hydrate(ctx context.Context, objects []casstore.Hash) error {
+	g, ctx := errgroup.WithContext(ctx)
+	if k.conc <= 0 {
+		k.conc = remote.DefaultConcurrency
+	}
+	g.SetLimit(k.conc)
+	for _, h := range objects {
+		g.Go(func() error { return k.r.FetchInto(ctx, k.store, h) })
+	}
+	return g.Wait()
 }

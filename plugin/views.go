@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"path/filepath"
 	"sync"
 	"time"
 
@@ -13,11 +14,30 @@ import (
 
 	"github.com/tidepool-dev/tidepool/casstore"
 	"github.com/tidepool-dev/tidepool/fuse"
+	"github.com/tidepool-dev/tidepool/hostcheck"
+	"github.com/tidepool-dev/tidepool/kview"
 	"github.com/tidepool-dev/tidepool/snapshotter"
 )
 
-// ViewHost serves the snapshotter's fork views from this process: one FUSE server per
-// view, all counting into one fuse.Stats.
+// View modes (views.mode).
+const (
+	ModeAuto   = "auto"
+	ModeKernel = "kernel"
+	ModeFUSE   = "fuse"
+)
+
+// KernelProbe says whether kernel views work under a root directory: nil, or an
+// error naming what is missing. `tidepool doctor` runs the same checks.
+var KernelProbe kview.Prober = func(root string) error {
+	return hostcheck.KernelViews(context.Background(), root)
+}
+
+// ViewHost serves the snapshotter's fork views, each either as a kernel view (a
+// metadata-only EROFS image over the object store, served by the kernel alone, so it
+// outlives this process) or by a FUSE server in this process. views.mode chooses:
+// "kernel" and "fuse" force one; "auto" takes a kernel view when the kernel supports
+// it and every object of the tree is local, FUSE otherwise. Late-bound views (warm
+// pool members, whose tree is known only at claim) are always FUSE.
 type ViewHost struct {
 	store *casstore.Store
 	cfg   ViewsConfig
@@ -27,6 +47,10 @@ type ViewHost struct {
 	// Source, if set, supplies objects the store lacks (the remote), fetched per
 	// file on first use.
 	Source fuse.BlobSource
+	root   string
+
+	kernel    *kview.Host // nil: no kernel views (mode fuse, or auto on a kernel without support)
+	kernelErr error       // why kernel is nil in auto mode
 
 	mu    sync.Mutex
 	views map[string]*fuse.View
@@ -34,9 +58,98 @@ type ViewHost struct {
 
 var _ snapshotter.ViewHost = (*ViewHost)(nil)
 
-// NewViewHost returns a host for views of store.
-func NewViewHost(store *casstore.Store, cfg ViewsConfig) *ViewHost {
-	return &ViewHost{store: store, cfg: cfg, stats: &fuse.Stats{}, views: map[string]*fuse.View{}}
+// NewViewHost returns a host for views of store whose state (the kernel views' image
+// cache) lives under root. In kernel mode it fails if the kernel cannot serve views.
+func NewViewHost(store *casstore.Store, cfg ViewsConfig, root string) (*ViewHost, error) {
+	h := &ViewHost{store: store, cfg: cfg, stats: &fuse.Stats{}, root: root, views: map[string]*fuse.View{}}
+	mode := cfg.Mode
+	if mode == "" {
+		mode = ModeAuto
+	}
+	switch mode {
+	case ModeFUSE:
+		return h, nil
+	case ModeAuto, ModeKernel:
+	default:
+		return nil, fmt.Errorf("config: views.mode %q: want %q, %q or %q: %w", cfg.Mode, ModeAuto, ModeKernel, ModeFUSE, errdefs.ErrInvalidArgument)
+	}
+	dir := filepath.Join(root, "kview")
+	if err := KernelProbe(dir); err != nil {
+		if mode == ModeKernel {
+			return nil, fmt.Errorf("config: views.mode = %q: %w", mode, err)
+		}
+		log.L.WithError(err).Info("kernel fork views unavailable; serving every view with FUSE")
+		h.kernelErr = err
+		return h, nil
+	}
+	k, err := kview.NewHost(store, filepath.Join(dir, "images"))
+	if err != nil {
+		return nil, err
+	}
+	h.kernel = k
+	return h, nil
+}
+
+// Mode describes the views this host serves, for operators (tidepoold's state file,
+// `tidepool doctor`): "kernel" or "fuse" when forced, "auto (kernel)" when kernel
+// views are in use for trees whose objects are all local, "auto (fuse: REASON)" when
+// the kernel cannot serve them.
+func (h *ViewHost) Mode() string {
+	switch {
+	case h.cfg.Mode == ModeKernel || h.cfg.Mode == ModeFUSE:
+		return h.cfg.Mode
+	case h.kernel != nil:
+		return ModeAuto + " (kernel)"
+	default:
+		return fmt.Sprintf("%s (fuse: %v)", ModeAuto, h.kernelErr)
+	}
+}
+
+// Kernel returns the kernel view host, nil when kernel views are not in use.
+func (h *ViewHost) Kernel() *kview.Host { return h.kernel }
+
+// KernelRoots are the roots shown by mounted kernel views, which garbage collection
+// must keep whatever else references them.
+func (h *ViewHost) KernelRoots() ([]casstore.Hash, error) {
+	if h.kernel == nil {
+		return nil, nil
+	}
+	return h.kernel.Cache().MountedRoots()
+}
+
+// CollectImages removes cached kernel view images no mounted view has used for
+// kview.DefaultGrace.
+func (h *ViewHost) CollectImages(ctx context.Context) {
+	if h.kernel == nil {
+		return
+	}
+	if n, err := h.kernel.Cache().Collect(ctx, kview.DefaultGrace); err != nil {
+		log.G(ctx).WithError(err).Warn("collecting kernel view images failed")
+	} else if n > 0 {
+		log.G(ctx).WithField("images", n).Debug("collected unused kernel view images")
+	}
+}
+
+// mountKernel tries a kernel view at dir; ok is false when the view should be served
+// with FUSE instead (auto mode only).
+func (h *ViewHost) mountKernel(ctx context.Context, dir string, spec snapshotter.ViewSpec) (ok bool, err error) {
+	if h.kernel == nil || spec.Root.IsZero() {
+		return false, nil
+	}
+	err = h.kernel.Mount(ctx, dir, kview.Spec{Root: spec.Root, Prefix: spec.Prefix, UID: spec.UID, GID: spec.GID})
+	if err == nil {
+		return true, nil
+	}
+	if h.cfg.Mode == ModeKernel {
+		return false, err
+	}
+	lg := log.G(ctx).WithError(err).WithField("dir", dir).WithField("root", spec.Root.Short())
+	if errdefs.IsNotFound(err) {
+		lg.Info("tree not entirely local; serving its view with FUSE")
+	} else {
+		lg.Warn("kernel view failed; serving it with FUSE")
+	}
+	return false, nil
 }
 
 func alive(v *fuse.View) bool {
@@ -52,11 +165,14 @@ func alive(v *fuse.View) bool {
 func (h *ViewHost) Mount(ctx context.Context, dir string, spec snapshotter.ViewSpec) error {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	if v, ok := h.views[dir]; ok && alive(v) {
+	if v, ok := h.views[dir]; ok && alive(v) || kview.IsMounted(dir) {
 		return fmt.Errorf("a view is already mounted at %s: %w", dir, errdefs.ErrAlreadyExists)
 	}
 	// Whatever a dead server left there would make the mount fail.
 	if err := fuse.UnmountStale(dir); err != nil {
+		return err
+	}
+	if ok, err := h.mountKernel(ctx, dir, spec); ok || err != nil {
 		return err
 	}
 	v, err := fuse.Mount(ctx, h.store, spec.Root, dir, fuse.Options{
@@ -84,6 +200,9 @@ func (h *ViewHost) Bind(_ context.Context, dir string, root casstore.Hash) error
 	v, ok := h.views[dir]
 	h.mu.Unlock()
 	if !ok || !alive(v) {
+		if kview.IsMounted(dir) {
+			return fmt.Errorf("the view at %s is a kernel view, which shows its tree from mount on and cannot be bound later: %w", dir, errdefs.ErrFailedPrecondition)
+		}
 		return fmt.Errorf("no view is served at %s: %w", dir, errdefs.ErrNotFound)
 	}
 	if v.Tainted() {
@@ -95,9 +214,9 @@ func (h *ViewHost) Bind(_ context.Context, dir string, root casstore.Hash) error
 // Mounted implements snapshotter.ViewHost.
 func (h *ViewHost) Mounted(_ context.Context, dir string) bool {
 	h.mu.Lock()
-	defer h.mu.Unlock()
 	v, ok := h.views[dir]
-	return ok && alive(v)
+	h.mu.Unlock()
+	return ok && alive(v) || kview.IsMounted(dir)
 }
 
 // Tainted reports whether the view at dir was looked up before binding.
@@ -106,17 +225,29 @@ func (h *ViewHost) Tainted(dir string) (bool, error) {
 	v, ok := h.views[dir]
 	h.mu.Unlock()
 	if !ok {
+		if kview.IsMounted(dir) {
+			return false, nil // bound at mount: nothing could look it up unbound
+		}
 		return false, fmt.Errorf("no view is served at %s: %w", dir, errdefs.ErrNotFound)
 	}
 	return v.Tainted(), nil
 }
 
-// Unmount implements snapshotter.ViewHost.
-func (h *ViewHost) Unmount(_ context.Context, dir string) error {
+// Unmount implements snapshotter.ViewHost. Unmounting a kernel view leaves the
+// containers using it working (overlayfs holds its layers); its image is collected
+// once no view uses it.
+func (h *ViewHost) Unmount(ctx context.Context, dir string) error {
 	h.mu.Lock()
 	v, ok := h.views[dir]
 	h.mu.Unlock()
 	if !ok {
+		if kview.IsMounted(dir) {
+			if err := kview.UnmountDir(dir); err != nil {
+				return err
+			}
+			h.CollectImages(ctx)
+			return nil
+		}
 		return fuse.UnmountStale(dir)
 	}
 	if err := v.Unmount(); err != nil {
@@ -128,9 +259,10 @@ func (h *ViewHost) Unmount(_ context.Context, dir string) error {
 	return nil
 }
 
-// Close unmounts every view as the process ends. A view still in use (a container
-// runs on it, or its rootfs is being torn down) is detached lazily: it cannot outlive
-// this process anyway, and a detached mount leaves the mount table now.
+// Close unmounts every FUSE view as the process ends. A view still in use (a
+// container runs on it, or its rootfs is being torn down) is detached lazily: it
+// cannot outlive this process anyway, and a detached mount leaves the mount table now.
+// Kernel views stay mounted: they need no process, and the next start adopts them.
 func (h *ViewHost) Close(ctx context.Context) error {
 	h.mu.Lock()
 	dirs := make([]string, 0, len(h.views))
@@ -163,7 +295,15 @@ var (
 	descHydratedBytes = prometheus.NewDesc("tidepool_views_hydrated_bytes_total",
 		"Bytes of objects fetched from the blob source.", nil, nil)
 	descMounted = prometheus.NewDesc("tidepool_views_mounted",
-		"Fork views currently served by this process.", nil, nil)
+		"Fork views currently mounted for the snapshotter, by mode (fuse: served by this process; kernel: EROFS + overlayfs).", []string{"mode"}, nil)
+	descImageBuilds = prometheus.NewDesc("tidepool_views_image_builds_total",
+		"Kernel view images built.", nil, nil)
+	descImageSeconds = prometheus.NewDesc("tidepool_views_image_build_seconds_total",
+		"Time spent building kernel view images (tree scan and image write).", nil, nil)
+	descImageBytes = prometheus.NewDesc("tidepool_views_image_bytes_total",
+		"Bytes of kernel view images built.", nil, nil)
+	descImageHits = prometheus.NewDesc("tidepool_views_image_cache_hits_total",
+		"Kernel view mounts that found their image already built.", nil, nil)
 )
 
 func (c statsCollector) Describe(ch chan<- *prometheus.Desc) {
@@ -171,6 +311,10 @@ func (c statsCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- descErrors
 	ch <- descHydratedBytes
 	ch <- descMounted
+	ch <- descImageBuilds
+	ch <- descImageSeconds
+	ch <- descImageBytes
+	ch <- descImageHits
 }
 
 func (c statsCollector) Collect(ch chan<- prometheus.Metric) {
@@ -189,5 +333,18 @@ func (c statsCollector) Collect(ch chan<- prometheus.Metric) {
 	c.h.mu.Lock()
 	n := len(c.h.views)
 	c.h.mu.Unlock()
-	ch <- prometheus.MustNewConstMetric(descMounted, prometheus.GaugeValue, float64(n))
+	ch <- prometheus.MustNewConstMetric(descMounted, prometheus.GaugeValue, float64(n), ModeFUSE)
+	k := c.h.kernel
+	if k == nil {
+		ch <- prometheus.MustNewConstMetric(descMounted, prometheus.GaugeValue, 0, ModeKernel)
+		return
+	}
+	if kv, err := kview.List(filepath.Join(c.h.root, "views")); err == nil {
+		ch <- prometheus.MustNewConstMetric(descMounted, prometheus.GaugeValue, float64(len(kv)), ModeKernel)
+	}
+	ks := k.Stats()
+	ch <- prometheus.MustNewConstMetric(descImageBuilds, prometheus.CounterValue, float64(ks.Builds.Load()))
+	ch <- prometheus.MustNewConstMetric(descImageSeconds, prometheus.CounterValue, time.Duration(ks.BuildNanos.Load()).Seconds())
+	ch <- prometheus.MustNewConstMetric(descImageBytes, prometheus.CounterValue, float64(ks.BuildBytes.Load()))
+	ch <- prometheus.MustNewConstMetric(descImageHits, prometheus.CounterValue, float64(ks.CacheHits.Load()))
 }

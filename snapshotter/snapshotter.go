@@ -74,8 +74,10 @@ type Snapshotter struct {
 
 var _ snapshots.Snapshotter = (*Snapshotter)(nil)
 
-// New opens the snapshotter at cfg.Root. Views left mounted by a process that died are
-// detached; views of existing snapshots are mounted again on their first Mounts.
+// New opens the snapshotter at cfg.Root. Views still mounted for existing snapshots
+// (kernel views outlive the process) are adopted as they are; views left by a FUSE
+// server that died are detached and mounted again on the snapshot's first Mounts;
+// views of snapshots that no longer exist are removed.
 func New(ctx context.Context, cfg Config, store *casstore.Store, fk ForkStore, views ViewHost) (*Snapshotter, error) {
 	if err := os.MkdirAll(filepath.Join(cfg.Root, "views"), 0o700); err != nil {
 		return nil, fmt.Errorf("create snapshotter root: %w", err)
@@ -104,6 +106,11 @@ func New(ctx context.Context, cfg Config, store *casstore.Store, fk ForkStore, v
 		remote: cfg.Remote,
 	}
 	s.detachStaleViews(ctx)
+	// Views (kernel ones outlive the process) of snapshots removed while no
+	// snapshotter ran have no owner now.
+	if err := s.removeOrphanViewDirs(ctx); err != nil {
+		log.G(ctx).WithError(err).Warn("could not remove views of removed snapshots")
+	}
 	return s, nil
 }
 

@@ -54,6 +54,15 @@ type env struct {
 	sn    *snapshotter.Snapshotter
 }
 
+// viewsMode is the views.mode the tests run with: TIDEPOOL_VIEWS_MODE, default auto
+// (kernel views where the kernel supports them). `make test` runs them with fuse too.
+func viewsMode() string {
+	if m := os.Getenv("TIDEPOOL_VIEWS_MODE"); m != "" {
+		return m
+	}
+	return plugin.ModeAuto
+}
+
 func newEnv(t testing.TB, root string) *env {
 	t.Helper()
 	ctx := context.Background()
@@ -65,7 +74,12 @@ func newEnv(t testing.TB, root string) *env {
 	if err != nil {
 		t.Fatal(err)
 	}
-	views := plugin.NewViewHost(store, plugin.DefaultConfig().Views)
+	cfg := plugin.DefaultConfig().Views
+	cfg.Mode = viewsMode()
+	views, err := plugin.NewViewHost(store, cfg, root)
+	if err != nil {
+		t.Fatal(err)
+	}
 	sn, err := snapshotter.New(ctx, snapshotter.Config{Root: root}, store, db, views)
 	if err != nil {
 		db.Close()

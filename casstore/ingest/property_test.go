@@ -1,6 +1,7 @@
 package ingest
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"io/fs"
@@ -9,6 +10,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -16,6 +18,7 @@ import (
 
 	"github.com/tidepool-dev/tidepool/casstore"
 	"github.com/tidepool-dev/tidepool/casstore/casstoretest"
+	"github.com/tidepool-dev/tidepool/kview"
 )
 
 // namePool is small so that random edits keep hitting existing names; it holds a
@@ -338,11 +341,24 @@ func overlayIteration(t *testing.T, s *casstore.Store, seed uint64) string {
 		}
 	}
 	lower := filepath.Join(tmp, "lower") // the fork: the base tree placed at the prefix
-	mkdirs(t, filepath.Dir(filepath.Join(lower, prefix)))
-	checkout(t, s, base, filepath.Join(lower, prefix))
+	// Half the cases (where the kernel can) take the fork from a kernel view, as the
+	// snapshotter does, the other half from a checkout.
+	kernelView := mountExtra == "" && r.IntN(2) == 0 && kernelViews(t)
+	if kernelView {
+		mountExtra = "(lower: kernel view)"
+		mkdirs(t, lower)
+		mountKernelView(t, s, base, prefix, lower)
+	} else {
+		mkdirs(t, filepath.Dir(filepath.Join(lower, prefix)))
+		checkout(t, s, base, filepath.Join(lower, prefix))
+	}
 	upper, work, merged := filepath.Join(tmp, "upper"), filepath.Join(tmp, "work"), filepath.Join(tmp, "merged")
 	mkdirs(t, upper, work, merged)
-	if err := mountOverlay(t, merged, []string{image, lower}, upper, work, mountExtra); err != nil {
+	overlayOpts := mountExtra
+	if kernelView {
+		overlayOpts = ""
+	}
+	if err := mountOverlay(t, merged, []string{image, lower}, upper, work, overlayOpts); err != nil {
 		t.Fatal(err)
 	}
 
@@ -369,7 +385,7 @@ func overlayIteration(t *testing.T, s *casstore.Store, seed uint64) string {
 
 	switch {
 	case errors.Is(err, ErrRedirect):
-		if mountExtra == "" || !hasRedirect(filepath.Join(upper, prefix)) {
+		if mountExtra == "" || kernelView || !hasRedirect(filepath.Join(upper, prefix)) {
 			failf("Upper: %v, but the upper holds no redirect", err)
 		}
 		return "redirect"
@@ -380,7 +396,7 @@ func overlayIteration(t *testing.T, s *casstore.Store, seed uint64) string {
 		return "collision"
 	case err != nil:
 		failf("Upper: %v", err)
-	case mountExtra != "" && hasRedirect(filepath.Join(upper, prefix)):
+	case mountExtra != "" && !kernelView && hasRedirect(filepath.Join(upper, prefix)):
 		failf("the upper holds a redirect xattr but Upper did not refuse it")
 	case got != want:
 		failf("Upper = %s, Dir(merged) = %s\n%s", got, want, diffListings(listing(t, s, want), listing(t, s, got)))
@@ -388,5 +404,48 @@ func overlayIteration(t *testing.T, s *casstore.Store, seed uint64) string {
 	if got == base {
 		return "unchanged"
 	}
+	if kernelView {
+		return "changed (kernel view)"
+	}
 	return "changed"
+}
+
+var (
+	kernelViewsOnce sync.Once
+	kernelViewsErr  error
+)
+
+// kernelViews reports whether kernel fork views work here (see kview.Probe).
+func kernelViews(t testing.TB) bool {
+	kernelViewsOnce.Do(func() {
+		dir, err := os.MkdirTemp("", "kview-probe-")
+		if err != nil {
+			kernelViewsErr = err
+			return
+		}
+		defer os.RemoveAll(dir)
+		kernelViewsErr = kview.Probe(dir)
+	})
+	if kernelViewsErr != nil {
+		t.Logf("no kernel views: %v", kernelViewsErr)
+	}
+	return kernelViewsErr == nil
+}
+
+// mountKernelView mounts the kernel view of root (at prefix, owned by 0:0) at dir
+// until the test ends.
+func mountKernelView(t testing.TB, s *casstore.Store, root casstore.Hash, prefix, dir string) {
+	t.Helper()
+	h, err := kview.NewHost(s, filepath.Join(t.TempDir(), "images"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := h.Mount(t.Context(), dir, kview.Spec{Root: root, Prefix: prefix}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := h.Unmount(context.Background(), dir); err != nil {
+			t.Errorf("unmount kernel view: %v", err)
+		}
+	})
 }

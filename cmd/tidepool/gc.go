@@ -24,7 +24,8 @@ func newGCCommand(a *app) *cobra.Command {
 		Use:   "gc",
 		Short: "Remove objects no fork, pin or snapshot can reach",
 		Long: `Mark every object reachable from a live root (each fork's base, current root and
-recent history, pins, and the roots of active snapshots when tidepoold runs) and
+recent history, pins, the roots of mounted kernel views, and the roots of active
+snapshots when tidepoold runs) and
 remove the rest, except objects written or reused within --grace: a commit running
 alongside may be about to reference them. Stale temp files go too. Reachable
 objects that are missing are listed; they do not stop the sweep. --grace 0 removes
@@ -41,7 +42,11 @@ ingest not yet forked) may be, and forking it then fails with "not in the store"
 			if err != nil {
 				return err
 			}
-			opts := gc.Options{Grace: grace, DryRun: dryRun}
+			kernelRoots, err := kernelViewRoots(a)
+			if err != nil {
+				return err
+			}
+			opts := gc.Options{Grace: grace, DryRun: dryRun, Roots: kernelRoots}
 			if grace == 0 {
 				opts.Grace = -1 // gc.Options reads 0 as "default"
 			}

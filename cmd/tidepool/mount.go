@@ -5,8 +5,10 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"syscall"
@@ -16,7 +18,10 @@ import (
 	"github.com/containerd/log"
 	"github.com/spf13/cobra"
 
+	"github.com/tidepool-dev/tidepool/casstore"
 	"github.com/tidepool-dev/tidepool/fuse"
+	"github.com/tidepool-dev/tidepool/hostcheck"
+	"github.com/tidepool-dev/tidepool/kview"
 )
 
 func init() { commands = append(commands, newMountCommand, newUmountCommand) }
@@ -29,6 +34,7 @@ const readyEnv = "TIDEPOOL_MOUNT_READY_FD"
 const daemonReadyTimeout = time.Minute
 
 type mountFlags struct {
+	mode          string
 	prefix        string
 	owner         string
 	noPassthrough bool
@@ -42,10 +48,18 @@ func newMountCommand(a *app) *cobra.Command {
 	var f mountFlags
 	cmd := &cobra.Command{
 		Use:   "mount [flags] ROOT|FORK DIR",
-		Short: "Mount a lazy, read-only view of a root or fork",
-		Long: `Mount a read-only FUSE view of ROOT (or FORK's current root) at DIR. Nothing is
-read up front: directories are decoded when first looked up and files opened from
-the verified store objects (with FUSE passthrough when the kernel offers it).
+		Short: "Mount a read-only view of a root or fork",
+		Long: `Mount a read-only view of ROOT (or FORK's current root) at DIR.
+
+--mode kernel mounts a kernel view: a metadata-only EROFS image of the tree (cached
+under ROOT/kview) with the object store as an overlayfs data-only layer. The kernel
+serves it alone, so the command returns at once and the view stays until
+tidepool umount DIR. It needs kernel >= 6.12, root, and every object of the tree in
+the local store. --mode fuse serves a FUSE view from this process: nothing is read
+up front, directories are decoded when first looked up and files opened from the
+verified store objects (with FUSE passthrough when the kernel offers it). --mode auto
+(the default) mounts a kernel view when it can, FUSE otherwise; the FUSE-only flags
+(--daemon, --log-file, --no-open, --no-passthrough) choose FUSE.
 
 --prefix places the tree under a relative path inside DIR (parents are synthesized,
 owned by 0:0), so DIR can serve as an overlay lower that merges with an image's own
@@ -55,7 +69,7 @@ Only the mounting user (and overlays it mounts) can reach the view unless
 --allow-other is given; then the kernel enforces the owner and modes the view
 reports (default_permissions).
 
-The command serves in the foreground until SIGINT/SIGTERM or until DIR is unmounted
+A FUSE view is served in the foreground until SIGINT/SIGTERM or until DIR is unmounted
 (tidepool umount DIR). With --daemon it serves from a detached background process
 and prints that process's pid once the view is mounted. A fork is resolved once, at
 mount: later commits to it are not seen by this view.`,
@@ -65,6 +79,7 @@ mount: later commits to it are not seen by this view.`,
 		},
 	}
 	fl := cmd.Flags()
+	fl.StringVar(&f.mode, "mode", "auto", "auto, kernel or fuse (see above)")
 	fl.StringVar(&f.prefix, "prefix", "", "place the tree under this relative path inside DIR (e.g. app)")
 	fl.StringVar(&f.owner, "owner", "0:0", "numeric UID:GID that owns the tree's files and directories")
 	fl.BoolVar(&f.noPassthrough, "no-passthrough", false, "serve reads through this process even if the kernel supports FUSE passthrough")
@@ -80,12 +95,15 @@ func newUmountCommand(a *app) *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "umount [--lazy] DIR",
 		Short: "Unmount a view mounted by tidepool mount",
-		Long: `Unmount the tidepool view at DIR; the process serving it then exits. A view in use
+		Long: `Unmount the tidepool view at DIR; the process serving a FUSE view then exits. A view in use
 (an open file, an overlay on top) is not unmounted unless --lazy is given, which
 detaches it at once and lets it go when its last user does; --lazy also clears a
 view whose serving process died. DIR must hold a tidepool view.`,
 		Args: cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
+			if kview.IsMounted(args[0]) {
+				return umountKernel(cmd.Context(), a, args[0], lazy)
+			}
 			if lazy {
 				return fuse.UnmountStale(args[0])
 			}
@@ -130,6 +148,25 @@ func runMount(ctx context.Context, a *app, f mountFlags, ref, dir string, stdout
 	}
 	if err := fuse.ValidatePrefix(f.prefix); err != nil {
 		return err
+	}
+	fuseOnly := f.noPassthrough || f.noOpen || f.daemon || f.logFile != ""
+	switch f.mode {
+	case "auto":
+		if !fuseOnly && os.Getenv(readyEnv) == "" {
+			done, err := mountKernel(ctx, a, f, ref, dir, uid, gid)
+			if done || err != nil {
+				return err
+			}
+		}
+	case "kernel":
+		if fuseOnly {
+			return fmt.Errorf("--daemon, --log-file, --no-open and --no-passthrough apply to FUSE views, not to --mode kernel: %w", errdefs.ErrInvalidArgument)
+		}
+		_, err := mountKernel(ctx, a, f, ref, dir, uid, gid)
+		return err
+	case "fuse":
+	default:
+		return fmt.Errorf("invalid --mode %q: want auto, kernel or fuse: %w", f.mode, errdefs.ErrInvalidArgument)
 	}
 	ready, err := readyPipe()
 	if err != nil {
@@ -201,6 +238,87 @@ func runMount(ctx context.Context, a *app, f mountFlags, ref, dir string, stdout
 	if err == nil {
 		lg.Info("view unmounted")
 	}
+	return err
+}
+
+// kviewDir holds the kernel views' image cache, shared with tidepoold.
+func (a *app) kviewDir() string { return filepath.Join(a.root, "kview") }
+
+// mountKernel mounts a kernel view of ref at dir. In auto mode, done is false (and
+// err nil) when the view should be served with FUSE instead: the kernel cannot, or
+// the tree's objects are not all local.
+func mountKernel(ctx context.Context, a *app, f mountFlags, ref, dir string, uid, gid uint32) (done bool, err error) {
+	lg := log.G(ctx).WithField("dir", dir)
+	if err := hostcheck.KernelViews(ctx, a.kviewDir()); err != nil {
+		if f.mode == "kernel" {
+			return false, err
+		}
+		lg.WithError(err).Info("no kernel view: serving with FUSE")
+		return false, nil
+	}
+	t, err := a.resolve(ctx, ref)
+	if err != nil {
+		return false, err
+	}
+	store, err := a.openStore()
+	if err != nil {
+		return false, err
+	}
+	h, err := kview.NewHost(store, filepath.Join(a.kviewDir(), "images"))
+	if err != nil {
+		return false, err
+	}
+	err = h.Mount(ctx, dir, kview.Spec{Root: t.Root, Prefix: f.prefix, UID: uid, GID: gid})
+	if err != nil && f.mode == "auto" {
+		lg.WithError(err).Info("no kernel view: serving with FUSE")
+		return false, nil
+	}
+	if err != nil {
+		return false, err
+	}
+	lg.WithField("root", t.Root).Info("kernel view mounted")
+	return true, nil
+}
+
+// kernelViewRoots lists the roots of the kernel views mounted from this root's image
+// cache, which garbage collection must keep.
+func kernelViewRoots(a *app) ([]casstore.Hash, error) {
+	dir := filepath.Join(a.kviewDir(), "images")
+	if _, err := os.Stat(dir); errors.Is(err, fs.ErrNotExist) {
+		return nil, nil
+	}
+	store, err := a.openStore()
+	if err != nil {
+		return nil, err
+	}
+	c, err := kview.NewCache(dir, store, nil)
+	if err != nil {
+		return nil, err
+	}
+	return c.MountedRoots()
+}
+
+// umountKernel unmounts the kernel view at dir and collects images no view has used
+// for kview.DefaultGrace.
+func umountKernel(ctx context.Context, a *app, dir string, lazy bool) error {
+	var err error
+	if lazy {
+		err = syscall.Unmount(dir, syscall.MNT_DETACH)
+	} else {
+		err = kview.UnmountDir(dir)
+	}
+	if err != nil {
+		return err
+	}
+	store, err := a.openStore()
+	if err != nil {
+		return err
+	}
+	h, err := kview.NewHost(store, filepath.Join(a.kviewDir(), "images"))
+	if err != nil {
+		return err
+	}
+	_, err = h.Cache().Collect(ctx, kview.DefaultGrace)
 	return err
 }
 

@@ -8,6 +8,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -17,6 +18,7 @@ import (
 	"github.com/tidepool-dev/tidepool/casstore"
 	"github.com/tidepool-dev/tidepool/casstore/forks"
 	"github.com/tidepool-dev/tidepool/fuse"
+	"github.com/tidepool-dev/tidepool/kview"
 )
 
 func TestParseOwner(t *testing.T) {
@@ -105,6 +107,9 @@ func (e *cliEnv) run(t *testing.T, args ...string) (stdout, stderr string, err e
 // start starts a foreground mount and waits until the view is in the mount table.
 func (e *cliEnv) start(t *testing.T, dir string, args ...string) *exec.Cmd {
 	t.Helper()
+	if !slices.Contains(args, "--mode") {
+		args = append([]string{"--mode", "fuse"}, args...) // a foreground FUSE server
+	}
 	cmd := e.command(append([]string{"mount"}, append(args, dir)...)...)
 	var se bytes.Buffer
 	cmd.Stderr = &se
@@ -316,4 +321,93 @@ func TestMountCommand(t *testing.T) {
 			t.Errorf("mountpoint unusable after cleanup: %v", err)
 		}
 	})
+}
+
+// TestMountKernelMode: --mode kernel mounts a view that needs no process and returns;
+// umount removes it and its cached image; auto falls back to FUSE for a tree whose
+// objects are not all local, and kernel mode refuses it naming the object.
+func TestMountKernelMode(t *testing.T) {
+	e := newCLIEnv(t)
+	if err := kview.Probe(t.TempDir()); err != nil {
+		t.Skip(err)
+	}
+	dir := t.TempDir()
+	t.Cleanup(func() { syscall.Unmount(dir, syscall.MNT_DETACH) })
+	if _, stderr, err := e.run(t, "mount", "--mode", "kernel", "--prefix", "app", "--owner", "1000:1001", "demo", dir); err != nil {
+		t.Fatalf("mount --mode kernel: %v: %s", err, stderr)
+	}
+	if !kview.IsMounted(dir) {
+		t.Fatal("no kernel view mounted")
+	}
+	b, err := os.ReadFile(filepath.Join(dir, "app/hello.txt"))
+	if err != nil || string(b) != "hello\n" {
+		t.Fatalf("read through the kernel view: %q %v", b, err)
+	}
+	var st syscall.Stat_t
+	if err := syscall.Stat(filepath.Join(dir, "app/run.sh"), &st); err != nil || st.Uid != 1000 || st.Gid != 1001 || st.Mode&0o777 != 0o755 {
+		t.Errorf("run.sh: uid %d gid %d mode %o (%v)", st.Uid, st.Gid, st.Mode, err)
+	}
+	images := filepath.Join(e.root, "kview", "images")
+	if ents, _ := os.ReadDir(images); len(ents) == 0 {
+		t.Error("no cached image while the view is mounted")
+	}
+	if _, stderr, err := e.run(t, "umount", dir); err != nil {
+		t.Fatalf("umount: %v: %s", err, stderr)
+	}
+	if kview.IsMounted(dir) {
+		t.Fatal("kernel view still mounted after umount")
+	}
+	// The image stays cached for the next mount of the tree (kview.DefaultGrace).
+	if ents, _ := os.ReadDir(images); len(ents) == 0 {
+		t.Errorf("image not kept for the next mount after umount")
+	}
+
+	// GC keeps the objects of a mounted kernel view of a root no fork names.
+	s0, err := casstore.Open(filepath.Join(e.root, "cas"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	lone, _ := s0.PutBytes([]byte("only in a kernel view\n"))
+	loneTree, err := s0.WriteTree([]casstore.Entry{{Mode: casstore.ModeFile, Name: "lone.txt", Hash: lone}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, stderr, err := e.run(t, "mount", "--mode", "kernel", loneTree.String(), dir); err != nil {
+		t.Fatalf("mount --mode kernel: %v: %s", err, stderr)
+	}
+	if _, stderr, err := e.run(t, "gc", "--grace", "0"); err != nil {
+		t.Fatalf("gc: %v: %s", err, stderr)
+	}
+	if b, err := os.ReadFile(filepath.Join(dir, "lone.txt")); err != nil || string(b) != "only in a kernel view\n" {
+		t.Fatalf("kernel view after gc: %q %v", b, err)
+	}
+	if _, stderr, err := e.run(t, "umount", dir); err != nil {
+		t.Fatalf("umount: %v: %s", err, stderr)
+	}
+
+	// A tree with an object missing from the store.
+	s, err := casstore.Open(filepath.Join(e.root, "cas"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	gone := casstore.Sum([]byte("gone\n"))
+	keep, _ := s.PutBytes([]byte("kept\n"))
+	partial, err := s.WriteTree([]casstore.Entry{
+		{Mode: casstore.ModeFile, Name: "gone.txt", Hash: gone},
+		{Mode: casstore.ModeFile, Name: "kept.txt", Hash: keep},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, stderr, err := e.run(t, "mount", "--mode", "kernel", partial.String(), dir)
+	if err == nil || !strings.Contains(stderr, gone.String()) || kview.IsMounted(dir) {
+		t.Fatalf("kernel mount of a tree with a missing object: %v, stderr %q", err, stderr)
+	}
+	e.start(t, dir, "--mode", "auto", partial.String())
+	if kview.IsMounted(dir) || !isView(t, dir) {
+		t.Fatal("auto mounted a kernel view of a tree whose objects are not all local")
+	}
+	if b, err := os.ReadFile(filepath.Join(dir, "kept.txt")); err != nil || string(b) != "kept\n" {
+		t.Fatalf("auto's FUSE view: %q %v", b, err)
+	}
 }

@@ -138,7 +138,7 @@ func serve(ctx context.Context, cfg *plugin.Config) (retErr error) {
 	}
 
 	stateFile := filepath.Join(cfg.Root, StateFileName)
-	if err := writeState(stateFile, cfg); err != nil {
+	if err := writeState(stateFile, cfg, c.core.Views.Mode()); err != nil {
 		return err
 	}
 	defer os.Remove(stateFile)
@@ -210,9 +210,10 @@ func listenUnix(addr string) (net.Listener, error) {
 // the API socket of the daemon that owns a root.
 const StateFileName = "tidepoold.json"
 
-func writeState(path string, cfg *plugin.Config) error {
+func writeState(path string, cfg *plugin.Config, viewMode string) error {
 	b, err := json.Marshal(map[string]any{
 		"pid": os.Getpid(), "address": cfg.Address, "api_address": cfg.APIAddress,
+		"view_mode": viewMode,
 	})
 	if err != nil {
 		return err

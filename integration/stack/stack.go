@@ -184,6 +184,10 @@ func Start(t testing.TB, opts Options) *Stack {
 	// containerd's address goes in the config file, not argv: the harness finds an
 	// instance's leftover shims by that address on their command lines.
 	cfg := fmt.Sprintf("containerd_address = %q\n", s.C.Address)
+	// TIDEPOOL_VIEWS_MODE runs the real-stack tests with views.mode kernel, fuse or auto.
+	if mode := os.Getenv("TIDEPOOL_VIEWS_MODE"); mode != "" {
+		cfg += fmt.Sprintf("views.mode = %q\n", mode)
+	}
 	if opts.TidepooldConfig != nil {
 		cfg += opts.TidepooldConfig(s)
 	}

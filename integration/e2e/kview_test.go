@@ -1,0 +1,143 @@
+package e2e
+
+import (
+	"context"
+	"crypto/md5"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sort"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/tidepool-dev/tidepool/integration/harness"
+	"github.com/tidepool-dev/tidepool/integration/imagebuild"
+	"github.com/tidepool-dev/tidepool/integration/stack"
+	"github.com/tidepool-dev/tidepool/kview"
+)
+
+// requireKernelViews skips unless this run serves views with the kernel.
+func requireKernelViews(t *testing.T) {
+	t.Helper()
+	if m := os.Getenv("TIDEPOOL_VIEWS_MODE"); m == "fuse" {
+		t.Skip("views.mode = fuse: FUSE views are served by tidepoold and die with it")
+	}
+	if err := kview.Probe(t.TempDir()); err != nil {
+		t.Skip(err)
+	}
+}
+
+// TestContainersSurviveDaemonKill: containers on forks of one tree read their whole
+// fork and write files in a loop while tidepoold is SIGKILLed and restarted twice.
+// Kernel views need no process, so no read or write may fail; the restarted daemon
+// adopts the views, each container's commit on removal equals re-ingesting its
+// merged workdir, and nothing is left mounted.
+func TestContainersSurviveDaemonKill(t *testing.T) {
+	requireKernelViews(t)
+	s := stack.Start(t, stack.Options{})
+	s.C.ImportImage(t, imagebuild.BusyboxArchive(t).Path, imagebuild.BusyboxRef, "tidepool")
+	files := map[string]string{}
+	var all []string
+	for i := range 200 {
+		p := fmt.Sprintf("src/pkg%02d/file%03d.txt", i%10, i)
+		files[p] = strings.Repeat(fmt.Sprintf("line %d of %s\n", i, p), 1+i%50)
+		all = append(all, p)
+	}
+	sort.Strings(all)
+	var cat strings.Builder
+	for _, p := range all {
+		cat.WriteString(files[p])
+	}
+	sum := fmt.Sprintf("%x", md5.Sum([]byte(cat.String())))
+	root := s.Ingest(t, writeTree(t, files))
+
+	const n, rounds = 20, 30
+	var wg sync.WaitGroup
+	outs := make([]string, n)
+	errs := make([]error, n)
+	for i := range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			id := fmt.Sprintf("survive-%02d", i)
+			// Every round: read the whole original fork (checksum in name order) and
+			// write a file; any failure ends the loop with a non-zero status.
+			script := fmt.Sprintf(`set -e
+mkdir /app/out
+touch /app/started
+for r in $(seq 1 %d); do
+  got=$(find /app/src -type f | sort | xargs cat | md5sum | cut -d' ' -f1)
+  [ "$got" = %s ] || { echo "round $r: checksum $got"; exit 1; }
+  echo "round $r" > /app/out/$r
+  sleep 0.3
+done
+echo ok`, rounds, sum)
+			args := append([]string{"run", "--rm", "--fifo-dir", s.C.FIFODir}, forkLabels(root, "/app")...)
+			// Twenty containers reading in a loop on a loaded 2-core machine can take
+			// longer than Ctr's default bound.
+			ctx, cancel := context.WithTimeout(context.Background(), 15*time.Minute)
+			defer cancel()
+			outs[i], errs[i] = s.C.CtrContext(ctx, "", append(args, imagebuild.BusyboxRef, id, "sh", "-c", script)...)
+		}()
+	}
+
+	// Wait until every container runs, then crash and restart tidepoold twice.
+	deadline := time.Now().Add(3 * time.Minute)
+	for {
+		out, _ := s.Ctr("task", "ls")
+		if strings.Count(out, "RUNNING") == n {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("containers did not all start:\n%s", out)
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	views, err := kview.List(filepath.Join(s.Root, "views"))
+	if err != nil || len(views) != n {
+		t.Fatalf("%d kernel views under the root (%v), want %d", len(views), err, n)
+	}
+	for range 2 {
+		time.Sleep(time.Second)
+		if err := s.Daemon.Kill(); err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(500 * time.Millisecond)
+		if err := s.Daemon.Start(context.Background()); err != nil {
+			t.Fatalf("restart tidepoold: %v\n%s", err, s.Daemon.LogTail(40))
+		}
+	}
+	if after, _ := kview.List(filepath.Join(s.Root, "views")); len(after) != n {
+		t.Errorf("%d kernel views after the restarts, want the same %d adopted", len(after), n)
+	}
+	wg.Wait()
+
+	for i := range n {
+		id := fmt.Sprintf("survive-%02d", i)
+		if errs[i] != nil || !strings.HasSuffix(outs[i], "ok\n") {
+			t.Errorf("%s: %v, output %q", id, errs[i], outs[i])
+			continue
+		}
+		// The merged workdir at the end was the fork plus started and out/1..rounds.
+		f := forkOfContainer(t, s, id, root)
+		expect := map[string]string{"started": ""}
+		for p, c := range files {
+			expect[p] = c
+		}
+		for r := 1; r <= rounds; r++ {
+			expect[fmt.Sprintf("out/%d", r)] = fmt.Sprintf("round %d\n", r)
+		}
+		if re := s.Ingest(t, writeTree(t, expect)); re != f.Root.String() {
+			t.Errorf("%s: commit %s, re-ingest of the merged workdir %s", id, f.Root, re)
+		}
+	}
+	if left, _ := kview.List(filepath.Join(s.Root, "views")); len(left) != 0 {
+		t.Errorf("kernel views left after every container went: %v", left)
+	}
+	if left, _ := harness.MountsUnder(s.Root); len(left) != 0 {
+		t.Errorf("mounts left under the root: %v", left)
+	}
+	s.C.LeakCheck(t)
+}

@@ -1,0 +1,19 @@
+// Package kview serves fork views with the kernel alone: a tree (root, prefix, owner)
+// becomes a metadata-only EROFS image in which every non-empty regular file is an
+// all-holes inode of the right size carrying the overlayfs xattrs
+// trusted.overlay.metacopy and trusted.overlay.redirect=/<hh>/<62 hex>, the path of
+// its object in the store. An overlay mount with that image as its lower layer and
+// the object directory as a data-only lower layer (kernel >= 6.5; EROFS mounts a file
+// directly on >= 6.12) then shows the tree with file data read straight from the
+// objects: no process in the read path, so reads run at native speed and the view
+// keeps working while tidepoold restarts.
+//
+// Images are cached under a directory keyed by (root, prefix, owner), built once per
+// key (single-flight) and removed by Collect when no mounted view uses them. Mounted
+// views are found again after a restart from the mount table: the overlay's source
+// names the image key ("tidepool-kview:<key>").
+//
+// Nothing verifies object bytes at read time on this path (no fs-verity): objects are
+// verified when they enter the store, and the view only ever points at objects of
+// the store's own layout.
+package kview

@@ -1,0 +1,86 @@
+package kview
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"path/filepath"
+
+	"github.com/containerd/errdefs"
+	"github.com/containerd/log"
+
+	"github.com/tidepool-dev/tidepool/casstore"
+)
+
+// Hydrator fetches objects that are not in the local store yet (a remote store). A
+// kernel view can only show local objects, so the host asks it for exactly the
+// objects a tree misses before it gives up on a kernel mount.
+type Hydrator interface {
+	Hydrate(ctx context.Context, objects []casstore.Hash) error
+}
+
+// Host mounts kernel views of one store. Its views are ordinary kernel mounts: they
+// stay mounted and working when the process that made them exits, and a new Host
+// finds them in the mount table (IsMounted, List).
+type Host struct {
+	store *casstore.Store
+	cache *Cache
+	stats *Stats
+	// Hydrator, if set, is asked for a tree's missing objects before Mount fails with
+	// a *MissingError.
+	Hydrator Hydrator
+}
+
+// NewHost returns a host whose image cache is at cacheDir.
+func NewHost(store *casstore.Store, cacheDir string) (*Host, error) {
+	stats := &Stats{}
+	c, err := NewCache(cacheDir, store, stats)
+	if err != nil {
+		return nil, err
+	}
+	return &Host{store: store, cache: c, stats: stats}, nil
+}
+
+// Stats returns the host's counters.
+func (h *Host) Stats() *Stats { return h.stats }
+
+// Cache returns the host's image cache.
+func (h *Host) Cache() *Cache { return h.cache }
+
+// Mount mounts the kernel view of spec at dir (an existing directory). If the tree's
+// objects are not all local (and no Hydrator brings them), it fails with a
+// *MissingError, which matches errdefs.ErrNotFound, and mounts nothing.
+func (h *Host) Mount(ctx context.Context, dir string, spec Spec) error {
+	if spec.Root.IsZero() {
+		return fmt.Errorf("kernel view at %s: a kernel view needs its tree at mount (no late binding): %w", dir, errdefs.ErrInvalidArgument)
+	}
+	dir = filepath.Clean(dir)
+	if IsMounted(dir) {
+		return fmt.Errorf("a kernel view is already mounted at %s: %w", dir, errdefs.ErrAlreadyExists)
+	}
+	h.cache.gate.RLock()
+	defer h.cache.gate.RUnlock()
+	img, err := h.cache.image(ctx, spec)
+	var miss *MissingError
+	if errors.As(err, &miss) && h.Hydrator != nil {
+		log.G(ctx).WithField("root", spec.Root).WithField("objects", len(miss.Objects)).Info("hydrating the objects a kernel view needs")
+		if herr := h.Hydrator.Hydrate(ctx, miss.Objects); herr != nil {
+			return fmt.Errorf("%w; hydrating them failed: %w", err, herr)
+		}
+		img, err = h.cache.image(ctx, spec)
+	}
+	if err != nil {
+		return err
+	}
+	if err := mountView(img, h.store.Root(), spec.Key(), dir); err != nil {
+		return err
+	}
+	log.G(ctx).WithFields(log.Fields{"dir": dir, "root": spec.Root.Short(), "image": filepath.Base(img)}).Debug("kernel view mounted")
+	return nil
+}
+
+// Unmount detaches the kernel view at dir; a dir without one is fine.
+func (h *Host) Unmount(_ context.Context, dir string) error { return unmountView(dir) }
+
+// Mounted reports whether a kernel view is mounted at dir.
+func (h *Host) Mounted(dir string) bool { return IsMounted(dir) }

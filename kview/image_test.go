@@ -1,0 +1,214 @@
+package kview
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"testing"
+
+	"github.com/containerd/errdefs"
+	"github.com/erofs/go-erofs"
+
+	"github.com/tidepool-dev/tidepool/casstore"
+	"github.com/tidepool-dev/tidepool/casstore/casstoretest"
+)
+
+func fixture(t testing.TB, s *casstore.Store) casstore.Hash {
+	t.Helper()
+	return casstoretest.Build(t, s, map[string]casstoretest.Leaf{
+		"README.md":         casstoretest.File("hello\n"),
+		"empty":             casstoretest.File(""),
+		"bin/run.sh":        casstoretest.Exec("#!/bin/sh\necho run\n"),
+		"src/a/b/deep.go":   casstoretest.File("package b\n"),
+		"src/main.go":       casstoretest.File("package main\n"),
+		"src/same.go":       casstoretest.File("package main\n"), // shares main.go's object
+		"link":              casstoretest.Link("src/main.go"),
+		"nothing":           casstoretest.EmptyDir(),
+		"src/a/b/large.bin": casstoretest.File(string(bytes.Repeat([]byte("0123456789abcdef"), 70000))),
+	})
+}
+
+func buildImage(t testing.TB, s *casstore.Store, spec Spec) []byte {
+	t.Helper()
+	tr, err := Scan(context.Background(), s, spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f, err := os.Create(filepath.Join(t.TempDir(), "img.erofs"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if err := tr.WriteImage(f); err != nil {
+		t.Fatal(err)
+	}
+	b, err := os.ReadFile(f.Name())
+	if err != nil {
+		t.Fatal(err)
+	}
+	return b
+}
+
+func openImage(t testing.TB, b []byte) fs.FS {
+	t.Helper()
+	img, err := erofs.Open(bytes.NewReader(b))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return img
+}
+
+func erofsStat(t testing.TB, fsys fs.FS, name string) *erofs.Stat {
+	t.Helper()
+	fi, err := fsys.(interface {
+		Lstat(string) (fs.FileInfo, error)
+	}).Lstat(name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	st, ok := fi.Sys().(*erofs.Stat)
+	if !ok {
+		t.Fatalf("%s: Sys() is %T", name, fi.Sys())
+	}
+	return st
+}
+
+// TestImageLayout reads a built image back with go-erofs's reader and checks every
+// rule: modes, owner, one mtime, sizes, the overlay xattrs, symlinks inline, prefix
+// parents owned by 0:0, directory link counts.
+func TestImageLayout(t *testing.T) {
+	s := casstoretest.NewStore(t)
+	root := fixture(t, s)
+	img := openImage(t, buildImage(t, s, Spec{Root: root, Prefix: "srv/app", UID: 1000, GID: 1001}))
+
+	for _, p := range []string{".", "srv"} {
+		st := erofsStat(t, img, p)
+		if st.UID != 0 || st.GID != 0 || st.Mode != fs.ModeDir|0o755 {
+			t.Errorf("prefix parent %s: uid %d gid %d mode %v, want 0:0 drwxr-xr-x", p, st.UID, st.GID, st.Mode)
+		}
+	}
+	type want struct {
+		mode  fs.FileMode
+		size  int64
+		data  string // the object the file redirects to
+		nlink int
+	}
+	large := string(bytes.Repeat([]byte("0123456789abcdef"), 70000))
+	for p, w := range map[string]want{
+		"srv/app":                   {mode: fs.ModeDir | 0o755, nlink: 5},
+		"srv/app/README.md":         {mode: 0o644, size: 6, data: "hello\n", nlink: 1},
+		"srv/app/empty":             {mode: 0o644, nlink: 1},
+		"srv/app/bin/run.sh":        {mode: 0o755, size: 19, data: "#!/bin/sh\necho run\n", nlink: 1},
+		"srv/app/src":               {mode: fs.ModeDir | 0o755, nlink: 3},
+		"srv/app/src/same.go":       {mode: 0o644, size: 13, data: "package main\n", nlink: 1},
+		"srv/app/src/a/b/large.bin": {mode: 0o644, size: int64(len(large)), data: large, nlink: 1},
+		"srv/app/link":              {mode: fs.ModeSymlink | 0o777, size: 11, nlink: 1},
+		"srv/app/nothing":           {mode: fs.ModeDir | 0o755, nlink: 2},
+	} {
+		st := erofsStat(t, img, p)
+		if st.Mode != w.mode || st.UID != 1000 || st.GID != 1001 || st.Mtime != Mtime || st.Nlink != w.nlink {
+			t.Errorf("%s: mode %v uid %d gid %d mtime %d nlink %d, want %v 1000 1001 %d %d", p, st.Mode, st.UID, st.GID, st.Mtime, st.Nlink, w.mode, Mtime, w.nlink)
+		}
+		if !w.mode.IsRegular() {
+			continue
+		}
+		if st.Size != w.size {
+			t.Errorf("%s: size %d, want %d", p, st.Size, w.size)
+		}
+		if w.data == "" {
+			if len(st.Xattrs) != 0 {
+				t.Errorf("%s: empty file has xattrs %v", p, st.Xattrs)
+			}
+			continue
+		}
+		redirect := Redirect(casstore.Sum([]byte(w.data)))
+		if v, ok := st.Xattrs[xattrMetacopy]; !ok || v != "" {
+			t.Errorf("%s: %s = %q (present %v), want present and empty", p, xattrMetacopy, v, ok)
+		}
+		if st.Xattrs[xattrRedirect] != redirect {
+			t.Errorf("%s: %s = %q, want %q", p, xattrRedirect, st.Xattrs[xattrRedirect], redirect)
+		}
+		// All holes: the image holds no file data.
+		b, err := fs.ReadFile(img, p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !bytes.Equal(b, make([]byte, w.size)) {
+			t.Errorf("%s: image holds data; want an all-holes file", p)
+		}
+	}
+	if target, err := img.(interface{ ReadLink(string) (string, error) }).ReadLink("srv/app/link"); err != nil || target != "src/main.go" {
+		t.Errorf("link target %q, %v", target, err)
+	}
+}
+
+// TestImageReproducible: the same spec gives the same bytes; any part of the spec
+// changes them.
+func TestImageReproducible(t *testing.T) {
+	s := casstoretest.NewStore(t)
+	root := fixture(t, s)
+	spec := Spec{Root: root, Prefix: "app", UID: 7, GID: 8}
+	a, b := buildImage(t, s, spec), buildImage(t, s, spec)
+	if !bytes.Equal(a, b) {
+		t.Fatal("two builds of one spec differ")
+	}
+	for _, other := range []Spec{{Root: root, Prefix: "app", UID: 7, GID: 9}, {Root: root, Prefix: "ap", UID: 7, GID: 8}, {Root: root, UID: 7, GID: 8}} {
+		if bytes.Equal(a, buildImage(t, s, other)) {
+			t.Errorf("spec %+v gives the same image as %+v", other, spec)
+		}
+		if other.Key() == spec.Key() {
+			t.Errorf("spec %+v has the same key as %+v", other, spec)
+		}
+	}
+}
+
+// TestRootInodeNotZero catches go-erofs v0.3.1's layout, which put the root directory at
+// NID 0 (st_ino 0; glibc then hides "." and "..", and Go's os.ReadDir drops entries
+// with d_ino 0). The reader reports the NID as Ino; the kernel test below checks the
+// mounted image too.
+func TestRootInodeNotZero(t *testing.T) {
+	s := casstoretest.NewStore(t)
+	root := fixture(t, s)
+	for _, prefix := range []string{"", "app"} {
+		img := openImage(t, buildImage(t, s, Spec{Root: root, Prefix: prefix}))
+		if ino := erofsStat(t, img, ".").Ino; ino == 0 {
+			t.Errorf("prefix %q: root directory at NID 0", prefix)
+		}
+	}
+}
+
+func TestScanMissing(t *testing.T) {
+	s := casstoretest.NewStore(t)
+	root := fixture(t, s)
+	gone := casstore.Sum([]byte("package b\n"))
+	if err := os.Remove(s.Path(gone)); err != nil {
+		t.Fatal(err)
+	}
+	_, err := Scan(context.Background(), s, Spec{Root: root})
+	var miss *MissingError
+	if !errors.As(err, &miss) || !errdefs.IsNotFound(err) {
+		t.Fatalf("scan with a missing object: %v, want a *MissingError matching NotFound", err)
+	}
+	if len(miss.Objects) != 1 || miss.Objects[0] != gone {
+		t.Fatalf("missing %v, want [%s]", miss.Objects, gone)
+	}
+	if !bytes.Contains([]byte(err.Error()), []byte(gone.String())) {
+		t.Errorf("error %q does not name the object", err)
+	}
+}
+
+func TestScanRefusesBadTree(t *testing.T) {
+	s := casstoretest.NewStore(t)
+	obj := casstoretest.Put(t, s, "x")
+	bad := casstoretest.RawTree(t, s, casstore.Entry{Mode: casstore.ModeFile, Name: "../x", Hash: obj})
+	if _, err := Scan(context.Background(), s, Spec{Root: bad}); err == nil {
+		t.Fatal("scan of a tree with an escaping name succeeded")
+	}
+	notTree := casstoretest.Put(t, s, "not a tree at all")
+	if _, err := Scan(context.Background(), s, Spec{Root: notTree}); err == nil {
+		t.Fatal("scan of a non-tree succeeded")
+	}
+}

@@ -1,0 +1,3 @@
+module github.com/erofs/go-erofs
+
+go 1.23
