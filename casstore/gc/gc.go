@@ -71,7 +71,17 @@ var ErrUnreadableTrees = fmt.Errorf("unreadable reachable trees: %w", errdefs.Er
 
 // Collect marks from src's live roots and opts.Roots, then sweeps. src may be nil.
 func Collect(ctx context.Context, s *casstore.Store, src RootSource, opts Options) (Result, error) {
+	// The grace period counts back from a moment no batch straddles. A batch stamps
+	// its objects with one publication time and then renames them into place one by
+	// one; had that time been before gc began, the listing below could see some of
+	// them (old enough, unreachable) and not the rest (still being renamed), and a
+	// tree could survive its children. Taking the lock once waits for such batches.
+	barrier, err := s.LockExclusive()
+	if err != nil {
+		return Result{DryRun: opts.DryRun}, fmt.Errorf("gc: %w", err)
+	}
 	start := time.Now()
+	barrier()
 	grace := opts.Grace
 	switch {
 	case grace == 0:
