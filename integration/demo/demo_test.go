@@ -182,24 +182,7 @@ const poolTarget = 2
 // warmPool is tidepoold's config for a pool "demo" of the baked image, whose members
 // get their fork at /src (where the demo's script reads it).
 func warmPool(s *stack.Stack) string {
-	shimCfg := filepath.Join(s.Dir, "shim.toml")
-	os.WriteFile(shimCfg, []byte(fmt.Sprintf("api_address = %q\n", s.APIAddress)), 0o644)
-	return fmt.Sprintf(`
-[pools]
-namespace = %q
-holder = %q
-shim_config = %q
-[[pools.template]]
-name = "demo"
-image = %q
-workdir = "/src"
-owner = "0:0"
-min = 1
-target = %d
-max = %d
-refill_rate = 20.0
-max_age = "1h"
-`, s.C.Namespace, filepath.Join(s.Bin, "tidepool-holder"), shimCfg, imagebuild.NodeRef, poolTarget, 2*poolTarget)
+	return s.PoolConfig(stack.Pool{Name: "demo", Image: imagebuild.NodeRef, Workdir: "/src", Target: poolTarget})
 }
 
 // waitWarm waits until the pool holds target idle members and returns `tidepool pools`.

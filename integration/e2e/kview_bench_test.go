@@ -102,15 +102,7 @@ func bakedGoImage(b *testing.B) string {
 		b.Skip(err)
 	}
 	spec.Layers = append(spec.Layers, imagebuild.Layer{imagebuild.HostFile("/src", filepath.Join(runtime.GOROOT(), "src"))})
-	dir, err := imagebuild.DefaultCacheDir()
-	if err != nil {
-		b.Fatal(err)
-	}
-	a, err := imagebuild.Cached(spec, dir)
-	if err != nil {
-		b.Fatal(err)
-	}
-	return a.Path
+	return imagebuild.SpecArchive(b, spec).Path
 }
 
 // BenchmarkRunWithNewKernelView: `ctr run --rm` with a fork of the Go source tree whose

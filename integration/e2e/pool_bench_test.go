@@ -39,15 +39,7 @@ func stampImage(b testing.TB) string {
 		b.Fatal(err)
 	}
 	spec.Layers = append(spec.Layers, imagebuild.Layer{imagebuild.HostFile("/usr/local/bin/stamp", bin)})
-	dir, err := imagebuild.DefaultCacheDir()
-	if err != nil {
-		b.Fatal(err)
-	}
-	a, err := imagebuild.Cached(spec, dir)
-	if err != nil {
-		b.Fatal(err)
-	}
-	return a.Path
+	return imagebuild.SpecArchive(b, spec).Path
 }
 
 func percentile(ds []time.Duration, p float64) time.Duration {
@@ -73,7 +65,7 @@ func stampOf(b testing.TB, out string) time.Time {
 func BenchmarkPoolClaim(b *testing.B) {
 	archive := stampImage(b)
 	s := stack.Start(b, stack.Options{TidepooldConfig: func(s *stack.Stack) string {
-		return poolConfig(s, "stamp", stampRef, 4, "")
+		return s.PoolConfig(stack.Pool{Name: "stamp", Image: stampRef, Target: 4})
 	}})
 	s.C.ImportImage(b, archive, stampRef, "tidepool")
 	root := s.Ingest(b, writeTree(b, appSource))

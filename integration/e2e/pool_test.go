@@ -22,34 +22,12 @@ import (
 	"github.com/tidepool-dev/tidepool/localapi"
 )
 
-// poolConfig is tidepoold's configuration for one pool in the stack's containerd.
-func poolConfig(s *stack.Stack, name, image string, target int, extra string) string {
-	shimCfg := filepath.Join(s.Dir, "shim.toml")
-	os.WriteFile(shimCfg, []byte(fmt.Sprintf("api_address = %q\n", s.APIAddress)), 0o644)
-	return fmt.Sprintf(`
-[pools]
-namespace = %q
-holder = %q
-shim_config = %q
-[[pools.template]]
-name = %q
-image = %q
-workdir = "/app"
-owner = "0:0"
-min = 1
-target = %d
-max = %d
-refill_rate = 20.0
-max_age = "1h"
-%s`, s.C.Namespace, filepath.Join(s.Bin, "tidepool-holder"), shimCfg, name, image, target, 2*target, extra)
-}
-
 // poolStack starts a stack whose tidepoold keeps a pool of the Node image.
 func poolStack(t testing.TB, target int, extra string) *stack.Stack {
 	t.Helper()
 	node := imagebuild.NodeArchive(t)
 	s := stack.Start(t, stack.Options{Metrics: true, TidepooldConfig: func(s *stack.Stack) string {
-		return poolConfig(s, "node", imagebuild.NodeRef, target, extra)
+		return s.PoolConfig(stack.Pool{Name: "node", Image: imagebuild.NodeRef, Target: target, Extra: extra})
 	}})
 	s.C.ImportImage(t, node.Path, imagebuild.NodeRef, "tidepool")
 	return s

@@ -22,8 +22,6 @@ import (
 	"github.com/opencontainers/go-digest"
 	specs "github.com/opencontainers/image-spec/specs-go"
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
-
-	"github.com/tidepool-dev/tidepool/integration/testenv"
 )
 
 // Build writes the OCI image layout archive of spec (oci-layout, index.json and
@@ -170,7 +168,3 @@ func cacheEntry(dir, name string, create func(tmp string) error) (string, error)
 	}
 	return final, nil
 }
-
-// DefaultCacheDir is where archives are cached: <repo>/.cache/images, or
-// $TIDEPOOL_CACHE_DIR/images.
-func DefaultCacheDir() (string, error) { return testenv.CacheDir("images") }

@@ -2,7 +2,6 @@ package imagebuild
 
 import (
 	"bytes"
-	"cmp"
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
@@ -14,7 +13,6 @@ import (
 	"os/exec"
 	"path/filepath"
 	"slices"
-	"sort"
 	"strings"
 	"testing"
 	"time"
@@ -164,7 +162,7 @@ func sharedLibraries(ctx context.Context, bin string) ([]string, error) {
 			libs = append(libs, p)
 		}
 	}
-	sort.Strings(libs)
+	slices.Sort(libs)
 	return slices.Compact(libs), nil
 }
 
@@ -232,6 +230,21 @@ func NodeArchive(t testing.TB) Archive { t.Helper(); return archiveFor(t, Node) 
 // PauseArchive is BusyboxArchive for Pause.
 func PauseArchive(t testing.TB) Archive { t.Helper(); return archiveFor(t, Pause) }
 
+// SpecArchive is the archive of spec (say, one of the images above with more layers),
+// built if needed and cached in <repo>/.cache/images (or $TIDEPOOL_CACHE_DIR/images).
+func SpecArchive(t testing.TB, spec Spec) Archive {
+	t.Helper()
+	dir, err := testenv.CacheDir("images")
+	if err != nil {
+		t.Fatalf("image: %v", err)
+	}
+	a, err := Cached(spec, dir)
+	if err != nil {
+		t.Fatalf("build image: %v", err)
+	}
+	return a
+}
+
 func archiveFor(t testing.TB, spec func(context.Context) (Spec, error)) Archive {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
@@ -240,13 +253,8 @@ func archiveFor(t testing.TB, spec func(context.Context) (Spec, error)) Archive 
 	if errors.Is(err, ErrHostMissing) {
 		t.Skipf("skipping: %v", err)
 	}
-	dir, derr := DefaultCacheDir()
-	if err = cmp.Or(err, derr); err != nil {
+	if err != nil {
 		t.Fatalf("image: %v", err)
 	}
-	a, err := Cached(s, dir)
-	if err != nil {
-		t.Fatalf("build image: %v", err)
-	}
-	return a
+	return SpecArchive(t, s)
 }
