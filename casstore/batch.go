@@ -37,6 +37,7 @@ type Batch struct {
 
 	mu      sync.Mutex
 	pending map[Hash]string   // object -> staged temp file
+	sizes   map[Hash]int64    // object -> its length, for the size index
 	reused  map[Hash]struct{} // objects already stored that the batch relies on
 	done    bool
 }
@@ -48,7 +49,7 @@ func (s *Store) Begin() (*Batch, error) {
 		return nil, err
 	}
 	s.sweepDeadOnce()
-	return &Batch{s: s, lock: lf, pending: map[Hash]string{}, reused: map[Hash]struct{}{}}, nil
+	return &Batch{s: s, lock: lf, pending: map[Hash]string{}, sizes: map[Hash]int64{}, reused: map[Hash]struct{}{}}, nil
 }
 
 // Hold takes the GC lock in shared mode, as a batch does, until release is called:
@@ -114,7 +115,8 @@ func (b *Batch) have(h Hash) bool {
 	return true
 }
 
-func (b *Batch) stage(h Hash, tmp string) {
+// stage adds a written temp file holding the size bytes that hash to h.
+func (b *Batch) stage(h Hash, tmp string, size int64) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if _, dup := b.pending[h]; dup || b.done {
@@ -122,6 +124,7 @@ func (b *Batch) stage(h Hash, tmp string) {
 		return
 	}
 	b.pending[h] = tmp
+	b.sizes[h] = size
 }
 
 func (b *Batch) createTemp() (*os.File, error) {
@@ -150,7 +153,7 @@ func (b *Batch) PutBytes(data []byte) (Hash, error) {
 		os.Remove(f.Name())
 		return Hash{}, fmt.Errorf("write object %s: %w", h, err)
 	}
-	b.stage(h, f.Name())
+	b.stage(h, f.Name(), int64(len(data)))
 	return h, nil
 }
 
@@ -160,7 +163,7 @@ func (b *Batch) Put(r io.Reader) (Hash, error) {
 	if err != nil {
 		return Hash{}, err
 	}
-	h, _, err := copyHashing(f, r)
+	h, n, err := copyHashing(f, r)
 	if cerr := f.Close(); err == nil {
 		err = cerr
 	}
@@ -172,7 +175,7 @@ func (b *Batch) Put(r io.Reader) (Hash, error) {
 		os.Remove(f.Name())
 		return h, nil
 	}
-	b.stage(h, f.Name())
+	b.stage(h, f.Name(), n)
 	return h, nil
 }
 
@@ -232,7 +235,7 @@ func (b *Batch) PutFile(path string) (Hash, int64, error) {
 		os.Remove(tf.Name())
 		return Hash{}, 0, fmt.Errorf("read %s: %w", path, err)
 	}
-	b.stage(h, tf.Name())
+	b.stage(h, tf.Name(), size)
 	return h, size, nil
 }
 
@@ -300,6 +303,7 @@ func (b *Batch) publish() error {
 		return err
 	}
 	dirs := map[string]struct{}{}
+	published := make([]SizeEntry, 0, len(b.pending))
 	for h, tmp := range b.pending {
 		_ = os.Chtimes(tmp, now, now)
 		if b.s.objPerm != 0o600 {
@@ -324,15 +328,23 @@ func (b *Batch) publish() error {
 		}
 		delete(b.pending, h)
 		dirs[dir] = struct{}{}
+		published = append(published, SizeEntry{Hash: h, Size: b.sizes[h]})
 	}
 	if !few {
-		return b.s.syncfs()
-	}
-	for d := range dirs {
-		if err := fsyncPath(d); err != nil {
-			return fmt.Errorf("sync %s: %w", d, err)
+		if err := b.s.syncfs(); err != nil {
+			return err
+		}
+	} else {
+		for d := range dirs {
+			if err := fsyncPath(d); err != nil {
+				return fmt.Errorf("sync %s: %w", d, err)
+			}
 		}
 	}
+	// Only now are the objects durable: a size index entry must never outlive its
+	// object across a crash. The index is an optimization, so failing to append to
+	// it (a read-only LunarFS store) fails nothing.
+	_ = b.s.sizes.add(published)
 	return nil
 }
 

@@ -32,7 +32,7 @@ func (b *Batch) PutExpect(r io.Reader, want Hash) (int64, error) {
 		os.Remove(f.Name())
 		return n, nil
 	}
-	b.stage(want, f.Name())
+	b.stage(want, f.Name(), n)
 	return n, nil
 }
 

@@ -67,6 +67,7 @@ type Store struct {
 	dirPerm, objPerm os.FileMode
 	uid, gid         int
 	chown            bool
+	sizes            *sizeIndex
 }
 
 // Open opens (creating if needed) the store at root. root may be an existing LunarFS
@@ -102,6 +103,7 @@ func Open(root string) (*Store, error) {
 	if err := os.Mkdir(s.tmp, 0o700); err != nil && !errors.Is(err, fs.ErrExist) {
 		return nil, fmt.Errorf("open store %s: %w", root, err)
 	}
+	s.sizes = newSizeIndex(s)
 	return s, nil
 }
 

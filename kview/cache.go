@@ -96,8 +96,8 @@ func (c *Cache) checkObjects(ctx context.Context, spec Spec, key string) error {
 	if len(b)%len(casstore.Hash{}) != 0 {
 		return fmt.Errorf("object list %s is truncated: %w", c.path(key, ".objects"), fs.ErrNotExist)
 	}
-	st := newStatter(c.store)
-	defer st.close()
+	od := newObjDirs(c.store)
+	defer od.close()
 	var missing []casstore.Hash
 	for i := 0; i < len(b); i += len(casstore.Hash{}) {
 		if i%(1024*32) == 0 {
@@ -107,7 +107,10 @@ func (c *Cache) checkObjects(ctx context.Context, spec Spec, key string) error {
 		}
 		var h casstore.Hash
 		copy(h[:], b[i:])
-		if _, ok, err := st.size(h); err != nil {
+		if _, ok := od.known(h); ok {
+			continue
+		}
+		if _, ok, err := od.stat(h); err != nil {
 			return err
 		} else if !ok {
 			missing = append(missing, h)

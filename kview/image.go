@@ -1,9 +1,7 @@
 package kview
 
 import (
-	"context"
 	"encoding/binary"
-	"errors"
 	"fmt"
 	"io"
 	"io/fs"
@@ -13,7 +11,6 @@ import (
 
 	"github.com/containerd/errdefs"
 	"github.com/erofs/go-erofs"
-	"golang.org/x/sys/unix"
 	"lukechampine.com/blake3"
 
 	"github.com/tidepool-dev/tidepool/casstore"
@@ -93,200 +90,6 @@ type node struct {
 	subdirs  int
 }
 
-// Tree is a tree scanned from the store with everything an image needs: every
-// directory decoded, every file's size, every symlink's target.
-type Tree struct {
-	spec  Spec
-	top   *node // the image root
-	Files int   // regular files
-	Dirs  int
-	Bytes int64 // total size of the files
-
-	objects []casstore.Hash // the objects files point at, each once
-}
-
-// Scan walks spec.Root in store, checking that every object it references is local.
-// It is the one place where a tree's objects are checked for local presence: a tree
-// with objects missing returns a *MissingError naming all of them (a remote store can
-// hydrate exactly those and scan again); a tree that cannot be read at all returns
-// another error.
-func Scan(ctx context.Context, store *casstore.Store, spec Spec) (*Tree, error) {
-	st := newStatter(store)
-	defer st.close()
-	sc := &scanner{ctx: ctx, store: store, st: st, trees: map[casstore.Hash]casstore.Tree{},
-		missing: map[casstore.Hash]struct{}{}, sizes: map[casstore.Hash]int64{}}
-	t := &Tree{spec: spec}
-	owned := &node{mode: fs.ModeDir | 0o755, hash: spec.Root, owned: true}
-	if err := sc.dir(owned, spec.Root, t); err != nil {
-		return nil, err
-	}
-	if len(sc.missing) > 0 {
-		e := &MissingError{Root: spec.Root}
-		for _, h := range sc.order {
-			e.Objects = append(e.Objects, h)
-		}
-		return nil, e
-	}
-	t.top = owned
-	t.objects = sc.objects
-	if spec.Prefix != "" {
-		parts := strings.Split(spec.Prefix, "/")
-		owned.name = parts[len(parts)-1]
-		cur := owned
-		for i := len(parts) - 2; i >= -1; i-- {
-			p := &node{mode: fs.ModeDir | 0o755, children: []*node{cur}, subdirs: 1}
-			if i >= 0 {
-				p.name = parts[i]
-			}
-			cur = p
-			t.Dirs++
-		}
-		t.top = cur
-	}
-	return t, nil
-}
-
-type scanner struct {
-	ctx     context.Context
-	store   *casstore.Store
-	st      *statter
-	trees   map[casstore.Hash]casstore.Tree
-	missing map[casstore.Hash]struct{}
-	order   []casstore.Hash
-	sizes   map[casstore.Hash]int64 // objects found, each stat-ed once
-	objects []casstore.Hash
-	n       int
-}
-
-func (sc *scanner) miss(h casstore.Hash) {
-	if _, ok := sc.missing[h]; !ok {
-		sc.missing[h] = struct{}{}
-		sc.order = append(sc.order, h)
-	}
-}
-
-func (sc *scanner) dir(n *node, h casstore.Hash, t *Tree) error {
-	t.Dirs++
-	if sc.n++; sc.n%1024 == 0 {
-		if err := sc.ctx.Err(); err != nil {
-			return err
-		}
-	}
-	tr, ok := sc.trees[h]
-	if !ok {
-		var err error
-		tr, err = sc.store.ReadTree(h)
-		if errdefs.IsNotFound(err) {
-			sc.miss(h)
-			return nil
-		}
-		if err != nil {
-			return fmt.Errorf("read tree %s: %w", h, err)
-		}
-		sc.trees[h] = tr
-	}
-	n.children = make([]*node, 0, len(tr))
-	for _, e := range tr {
-		c := &node{name: e.Name, hash: e.Hash, owned: true}
-		switch e.Mode {
-		case casstore.ModeDir:
-			c.mode = fs.ModeDir | 0o755
-			n.subdirs++
-			if err := sc.dir(c, e.Hash, t); err != nil {
-				return err
-			}
-		case casstore.ModeSymlink:
-			c.mode = fs.ModeSymlink | 0o777
-			b, err := sc.store.ReadAll(e.Hash, maxSymlinkTarget)
-			if errdefs.IsNotFound(err) {
-				sc.miss(e.Hash)
-			} else if err != nil {
-				return fmt.Errorf("symlink %s: %w", e.Name, err)
-			}
-			c.target = string(b)
-		case casstore.ModeFile, casstore.ModeExec:
-			c.mode = 0o644
-			if e.Mode == casstore.ModeExec {
-				c.mode = 0o755
-			}
-			t.Files++
-			if e.Hash != casstore.EmptyHash {
-				size, ok := sc.sizes[e.Hash]
-				if !ok {
-					var found bool
-					var err error
-					size, found, err = sc.st.size(e.Hash)
-					if err != nil {
-						return err
-					}
-					if found {
-						sc.sizes[e.Hash] = size
-						sc.objects = append(sc.objects, e.Hash)
-					} else {
-						sc.miss(e.Hash)
-					}
-				}
-				c.size = size
-				t.Bytes += size
-			}
-		default:
-			return fmt.Errorf("tree %s: entry %q has unknown mode %s", h.Short(), e.Name, e.Mode)
-		}
-		n.children = append(n.children, c)
-	}
-	return nil
-}
-
-// statter learns object sizes with fstatat relative to the fan-out directories,
-// which saves most of each path lookup.
-type statter struct {
-	store *casstore.Store
-	dirs  [256]int // fd+1 of each fan-out directory; 0: not opened; -1: absent
-}
-
-func newStatter(s *casstore.Store) *statter { return &statter{store: s} }
-
-func (st *statter) close() {
-	for i, fd := range st.dirs {
-		if fd > 0 {
-			unix.Close(fd - 1)
-		}
-		st.dirs[i] = 0
-	}
-}
-
-// size returns an object's size; ok is false if the object is not in the store.
-func (st *statter) size(h casstore.Hash) (int64, bool, error) {
-	x := h.String()
-	i := int(h[0])
-	if st.dirs[i] == 0 {
-		fd, err := unix.Open(path.Join(st.store.Root(), x[:2]), unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
-		switch {
-		case err == nil:
-			st.dirs[i] = fd + 1
-		case errors.Is(err, unix.ENOENT):
-			st.dirs[i] = -1
-		default:
-			return 0, false, fmt.Errorf("object directory %s: %w", x[:2], err)
-		}
-	}
-	if st.dirs[i] < 0 {
-		return 0, false, nil
-	}
-	var s unix.Stat_t
-	err := unix.Fstatat(st.dirs[i]-1, x[2:], &s, unix.AT_SYMLINK_NOFOLLOW)
-	if errors.Is(err, unix.ENOENT) {
-		return 0, false, nil
-	}
-	if err != nil {
-		return 0, false, fmt.Errorf("object %s: %w", h, err)
-	}
-	if s.Mode&unix.S_IFMT != unix.S_IFREG {
-		return 0, false, fmt.Errorf("object %s is not a regular file: %w", h, errdefs.ErrDataLoss)
-	}
-	return s.Size, true, nil
-}
-
 // WriteImage writes the tree's metadata-only EROFS image to w. The same tree and
 // spec always give the same bytes.
 func (t *Tree) WriteImage(w io.WriteSeeker) error {
@@ -319,24 +122,22 @@ func (f treeFS) lookup(op, name string) (*node, error) {
 	if !fs.ValidPath(name) {
 		return nil, &fs.PathError{Op: op, Path: name, Err: fs.ErrInvalid}
 	}
-	n := f.t.top
-	if name == "." {
+	if n, ok := f.t.dirs[name]; ok {
 		return n, nil
 	}
-	for _, c := range strings.Split(name, "/") {
-		var next *node
-		for _, ch := range n.children {
-			if ch.name == c {
-				next = ch
-				break
+	dir, base := path.Split(name)
+	dir = strings.TrimSuffix(dir, "/")
+	if dir == "" {
+		dir = "."
+	}
+	if p, ok := f.t.dirs[dir]; ok {
+		for _, c := range p.children {
+			if c.name == base {
+				return c, nil
 			}
 		}
-		if next == nil {
-			return nil, &fs.PathError{Op: op, Path: name, Err: fs.ErrNotExist}
-		}
-		n = next
 	}
-	return n, nil
+	return nil, &fs.PathError{Op: op, Path: name, Err: fs.ErrNotExist}
 }
 
 func (f treeFS) Open(name string) (fs.File, error) {
@@ -369,6 +170,9 @@ func (f treeFS) ReadDir(name string) ([]fs.DirEntry, error) {
 
 // ReadLink is the interface go-erofs reads symlink targets through.
 func (f treeFS) ReadLink(name string) (string, error) {
+	if target, ok := f.t.links[name]; ok {
+		return target, nil
+	}
 	n, err := f.lookup("readlink", name)
 	if err != nil {
 		return "", err

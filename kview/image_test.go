@@ -3,6 +3,7 @@ package kview
 import (
 	"bytes"
 	"context"
+	"encoding/binary"
 	"errors"
 	"io/fs"
 	"os"
@@ -11,6 +12,7 @@ import (
 
 	"github.com/containerd/errdefs"
 	"github.com/erofs/go-erofs"
+	"lukechampine.com/blake3"
 
 	"github.com/tidepool-dev/tidepool/casstore"
 	"github.com/tidepool-dev/tidepool/casstore/casstoretest"
@@ -180,13 +182,23 @@ func TestRootInodeNotZero(t *testing.T) {
 	}
 }
 
+// removeObject removes an object the way Tidepool does (garbage collection, fsck):
+// the size index forgets it first.
+func removeObject(t testing.TB, s *casstore.Store, h casstore.Hash) {
+	t.Helper()
+	if err := s.ForgetSizes([]casstore.Hash{h}); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Remove(s.Path(h)); err != nil {
+		t.Fatal(err)
+	}
+}
+
 func TestScanMissing(t *testing.T) {
 	s := casstoretest.NewStore(t)
 	root := fixture(t, s)
 	gone := casstore.Sum([]byte("package b\n"))
-	if err := os.Remove(s.Path(gone)); err != nil {
-		t.Fatal(err)
-	}
+	removeObject(t, s, gone)
 	_, err := Scan(context.Background(), s, Spec{Root: root})
 	var miss *MissingError
 	if !errors.As(err, &miss) || !errdefs.IsNotFound(err) {
@@ -210,5 +222,66 @@ func TestScanRefusesBadTree(t *testing.T) {
 	notTree := casstoretest.Put(t, s, "not a tree at all")
 	if _, err := Scan(context.Background(), s, Spec{Root: notTree}); err == nil {
 		t.Fatal("scan of a non-tree succeeded")
+	}
+}
+
+// sizeRecord encodes one size index record (casstore/sizes.go): hash, size u64 LE,
+// the first 8 bytes of BLAKE3 of those 40 bytes.
+func sizeRecord(h casstore.Hash, size uint64) []byte {
+	b := append(h[:], binary.LittleEndian.AppendUint64(nil, size)...)
+	sum := blake3.Sum256(b)
+	return append(b, sum[:8]...)
+}
+
+// TestScanSizesIndexOrStat: sizes come from the store's size index, fall back to a
+// stat where the index lacks an entry or its entries disagree, and the image is the
+// same byte for byte whichever way each size was learnt.
+func TestScanSizesIndexOrStat(t *testing.T) {
+	s := casstoretest.NewStore(t)
+	root := fixture(t, s)
+	spec := Spec{Root: root, Prefix: "app", UID: 1000, GID: 1000}
+	scan := func() *Tree {
+		t.Helper()
+		tr, err := Scan(context.Background(), s, spec)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return tr
+	}
+	// README.md, bin/run.sh, deep.go, main.go, same.go, large.bin (empty has no object).
+	if tr := scan(); tr.Indexed != 6 || tr.Stated != 0 {
+		t.Fatalf("fresh store: %d sizes from the index, %d stat-ed; want 6, 0", tr.Indexed, tr.Stated)
+	}
+	want := buildImage(t, s, spec)
+
+	// Entries that disagree: the large file's hash recorded with another size too.
+	large := casstore.Sum(bytes.Repeat([]byte("0123456789abcdef"), 70000))
+	idx := filepath.Join(s.Root(), ".tidepool-sizes")
+	f, err := os.OpenFile(idx, os.O_WRONLY|os.O_APPEND, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.Write(sizeRecord(large, 4096))
+	f.Close()
+	if tr := scan(); tr.Indexed != 5 || tr.Stated != 1 {
+		t.Fatalf("disagreeing entries: %d indexed, %d stat-ed; want 5, 1", tr.Indexed, tr.Stated)
+	}
+	if got := buildImage(t, s, spec); !bytes.Equal(got, want) {
+		t.Fatal("image differs when a size came from a stat")
+	}
+	st := erofsStat(t, openImage(t, want), "app/src/a/b/large.bin")
+	if st.Size != 16*70000 {
+		t.Fatalf("large.bin: size %d in the image", st.Size)
+	}
+
+	// No index at all (objects stored by LunarFS, or the file lost): every size by stat.
+	if err := os.Remove(idx); err != nil {
+		t.Fatal(err)
+	}
+	if tr := scan(); tr.Indexed != 0 || tr.Stated != 6 {
+		t.Fatalf("no index: %d indexed, %d stat-ed; want 0, 6", tr.Indexed, tr.Stated)
+	}
+	if got := buildImage(t, s, spec); !bytes.Equal(got, want) {
+		t.Fatal("image differs when every size came from a stat")
 	}
 }

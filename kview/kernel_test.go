@@ -175,7 +175,7 @@ func TestMountRefusesMissing(t *testing.T) {
 	s := casstoretest.NewStore(t)
 	root := fixture(t, s)
 	gone := casstore.Sum([]byte("package b\n"))
-	os.Remove(s.Path(gone))
+	removeObject(t, s, gone)
 	h := newHost(t, s)
 	dir := t.TempDir()
 	err := h.Mount(context.Background(), dir, Spec{Root: root})

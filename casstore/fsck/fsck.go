@@ -219,6 +219,9 @@ func (r *Report) quarantine(s *casstore.Store) error {
 		}
 		b.Got, b.Err = ce.Got, err
 		dst := filepath.Join(dir, b.Hash.String()+"."+stamp)
+		if err := s.ForgetSizes([]casstore.Hash{b.Hash}); err != nil {
+			return fmt.Errorf("fsck: quarantine %s: %w", b.Hash, err)
+		}
 		if err := os.Rename(b.Path, dst); err != nil {
 			return fmt.Errorf("fsck: quarantine %s: %w", b.Hash, err)
 		}

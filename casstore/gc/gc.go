@@ -166,6 +166,13 @@ func Collect(ctx context.Context, s *casstore.Store, src RootSource, opts Option
 		return res, err
 	}
 	roots = append(roots, more...)
+	// Decide first, then tell the size index, durably, which objects are about to
+	// go (it must never claim an object the sweep removed), then remove them.
+	type victim struct {
+		candidate
+		size int64
+	}
+	var victims []victim
 	for _, c := range cands {
 		if err := ctx.Err(); err != nil {
 			res.finish(roots, marks)
@@ -182,15 +189,29 @@ func Collect(ctx context.Context, s *casstore.Store, src RootSource, opts Option
 			res.Young++
 			continue
 		}
-		if err := os.Remove(c.path); err != nil {
+		victims = append(victims, victim{c, fi.Size()})
+	}
+	forget := make([]casstore.Hash, len(victims))
+	for i, v := range victims {
+		forget[i] = v.h
+	}
+	if err := s.ForgetSizes(forget); err != nil {
+		res.finish(roots, marks)
+		return res, fmt.Errorf("gc: %w", err)
+	}
+	for _, v := range victims {
+		if err := os.Remove(v.path); err != nil {
 			if errors.Is(err, fs.ErrNotExist) {
 				continue
 			}
 			res.finish(roots, marks)
-			return res, fmt.Errorf("gc: remove object %s: %w", c.h, err)
+			return res, fmt.Errorf("gc: remove object %s: %w", v.h, err)
 		}
 		res.Swept++
-		res.BytesFreed += fi.Size()
+		res.BytesFreed += v.size
+	}
+	if err := s.CompactSizes(); err != nil {
+		log.G(ctx).WithError(err).Warn("gc: size index not compacted")
 	}
 	// Fan-out directories stay even when empty: other processes cache their existence.
 	n, err := s.SweepTemp(grace)

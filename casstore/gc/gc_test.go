@@ -103,6 +103,17 @@ func TestCollectSweepsOnlyUnreachable(t *testing.T) {
 	if !after[casstore.Sum([]byte("s"))] {
 		t.Error("a blob shared by a live and a dead tree was swept")
 	}
+	// The size index forgets what was swept (an entry also means "present") and
+	// keeps what stays.
+	if err := s.RefreshSizes(); err != nil {
+		t.Fatal(err)
+	}
+	if _, ok := s.KnownSize(garbage); ok {
+		t.Error("the size index still knows a swept object")
+	}
+	if n, ok := s.KnownSize(casstore.Sum([]byte("main"))); !ok || n != 4 {
+		t.Errorf("the size index lost a live object: %d, %v", n, ok)
+	}
 	// dead root, old/, gone.txt, bye and the garbage blob.
 	if res.Swept != len(before)-len(after) || res.Swept != 5 {
 		t.Errorf("swept %d, store lost %d objects, want 5", res.Swept, len(before)-len(after))

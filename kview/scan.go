@@ -1,0 +1,439 @@
+package kview
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io/fs"
+	"path"
+	"strings"
+	"sync"
+	"sync/atomic"
+
+	"github.com/containerd/errdefs"
+	"golang.org/x/sys/unix"
+
+	"github.com/tidepool-dev/tidepool/casstore"
+)
+
+// scanWorkers is how many tree objects a scan reads at once. Reads of a warm store
+// are system calls on cached pages, so a few workers per CPU keep every CPU busy.
+const scanWorkers = 8
+
+// Tree is a tree scanned from the store with everything an image needs: every
+// directory decoded, every file's size, every symlink's target.
+type Tree struct {
+	spec  Spec
+	top   *node // the image root
+	Files int   // regular files
+	Dirs  int
+	Bytes int64 // total size of the files
+	// Stats says where file sizes came from: the store's size index, or a stat of
+	// the object (objects stored before the index existed, or by LunarFS).
+	Indexed, Stated int
+
+	objects []casstore.Hash   // the objects files point at, each once
+	dirs    map[string]*node  // every directory by its path in the image ("." for the top)
+	links   map[string]string // every symlink's target by its path in the image
+}
+
+// dirScan is what one tree object gives: its entries, and for each entry the size
+// of its object (files) or its target (symlinks).
+type dirScan struct {
+	tree    casstore.Tree
+	missing bool    // the tree object itself is not local
+	sizes   []int64 // per entry: a file's size; -1: its object is missing
+	targets []string
+	absent  []casstore.Hash // objects of entries not in the store
+	indexed int
+	stated  int
+}
+
+// Scan walks spec.Root in store, checking that every object it references is local.
+// It is the one place where a tree's objects are checked for local presence: a tree
+// with objects missing returns a *MissingError naming all of them (a remote store can
+// hydrate exactly those and scan again); a tree that cannot be read at all returns
+// another error.
+//
+// File sizes come from the store's size index where it has them (see
+// casstore.Store.KnownSize: an entry is written only once its object is durable and
+// dropped before anything removes the object), and from a stat of the object
+// otherwise. Tree objects are read and decoded by several workers at once.
+func Scan(ctx context.Context, store *casstore.Store, spec Spec) (*Tree, error) {
+	od := newObjDirs(store)
+	defer od.close()
+	scans, err := readTrees(ctx, od, spec.Root)
+	if err != nil {
+		return nil, err
+	}
+	as := &assembler{ctx: ctx, scans: scans, budget: casstore.DefaultLimits(),
+		missing: map[casstore.Hash]struct{}{}, seen: map[casstore.Hash]struct{}{},
+		t: &Tree{spec: spec, dirs: map[string]*node{}, links: map[string]string{}}}
+	t := as.t
+	owned := &node{mode: fs.ModeDir | 0o755, hash: spec.Root, owned: true}
+	top := "."
+	if spec.Prefix != "" {
+		top = spec.Prefix
+	}
+	if err := as.dir(owned, spec.Root, top, 0); err != nil {
+		return nil, err
+	}
+	if len(as.order) > 0 {
+		return nil, &MissingError{Root: spec.Root, Objects: as.order}
+	}
+	for _, s := range scans {
+		t.Indexed += s.indexed
+		t.Stated += s.stated
+	}
+	t.top = owned
+	if spec.Prefix != "" {
+		parts := strings.Split(spec.Prefix, "/")
+		owned.name = parts[len(parts)-1]
+		cur := owned
+		for i := len(parts) - 2; i >= -1; i-- {
+			p := &node{mode: fs.ModeDir | 0o755, children: []*node{cur}, subdirs: 1}
+			dir := "."
+			if i >= 0 {
+				p.name = parts[i]
+				dir = strings.Join(parts[:i+1], "/")
+			}
+			t.dirs[dir] = p
+			cur = p
+			t.Dirs++
+		}
+		t.top = cur
+	}
+	return t, nil
+}
+
+// readTrees reads every tree object reachable from root, level by level, each level
+// by scanWorkers workers, with the sizes of the files and the targets of the
+// symlinks they name.
+func readTrees(ctx context.Context, od *objDirs, root casstore.Hash) (map[casstore.Hash]*dirScan, error) {
+	scans := map[casstore.Hash]*dirScan{}
+	level := []casstore.Hash{root}
+	scans[root] = nil
+	for len(level) > 0 {
+		if err := ctx.Err(); err != nil {
+			return nil, err
+		}
+		out := make([]*dirScan, len(level))
+		var next atomic.Int64
+		var firstErr error
+		var errOnce sync.Once
+		var wg sync.WaitGroup
+		for w := 0; w < min(scanWorkers, len(level)); w++ {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				for {
+					i := int(next.Add(1)) - 1
+					if i >= len(level) {
+						return
+					}
+					ds, err := od.scanDir(level[i])
+					if err != nil {
+						errOnce.Do(func() { firstErr = err })
+						return
+					}
+					out[i] = ds
+				}
+			}()
+		}
+		wg.Wait()
+		if firstErr != nil {
+			return nil, firstErr
+		}
+		var below []casstore.Hash
+		for i, h := range level {
+			scans[h] = out[i]
+			for _, e := range out[i].tree {
+				if e.Mode == casstore.ModeDir {
+					if _, ok := scans[e.Hash]; !ok {
+						scans[e.Hash] = nil
+						below = append(below, e.Hash)
+					}
+				}
+			}
+		}
+		level = below
+	}
+	return scans, nil
+}
+
+// assembler turns the scanned tree objects into the node tree of one view,
+// expanding shared subtrees once per path, under the walk limits.
+type assembler struct {
+	ctx     context.Context
+	scans   map[casstore.Hash]*dirScan
+	budget  casstore.Limits
+	n       int64
+	t       *Tree
+	missing map[casstore.Hash]struct{}
+	order   []casstore.Hash
+	seen    map[casstore.Hash]struct{} // file objects already in t.objects
+}
+
+func (as *assembler) miss(h casstore.Hash) {
+	if _, ok := as.missing[h]; !ok {
+		as.missing[h] = struct{}{}
+		as.order = append(as.order, h)
+	}
+}
+
+func (as *assembler) dir(n *node, h casstore.Hash, p string, depth int) error {
+	t := as.t
+	t.Dirs++
+	t.dirs[p] = n
+	if depth > as.budget.MaxDepth {
+		return fmt.Errorf("tree %s: deeper than %d directories: %w", t.spec.Root.Short(), as.budget.MaxDepth, casstore.ErrTreeLimit)
+	}
+	ds := as.scans[h]
+	if ds.missing {
+		as.miss(h)
+		return nil
+	}
+	as.n += int64(len(ds.tree))
+	if as.n > as.budget.MaxEntries {
+		return fmt.Errorf("tree %s: more than %d entries: %w", t.spec.Root.Short(), as.budget.MaxEntries, casstore.ErrTreeLimit)
+	}
+	if as.n%4096 < int64(len(ds.tree)) {
+		if err := as.ctx.Err(); err != nil {
+			return err
+		}
+	}
+	n.children = make([]*node, len(ds.tree))
+	nodes := make([]node, len(ds.tree))
+	for i, e := range ds.tree {
+		c := &nodes[i]
+		*c = node{name: e.Name, hash: e.Hash, owned: true}
+		n.children[i] = c
+		switch e.Mode {
+		case casstore.ModeDir:
+			c.mode = fs.ModeDir | 0o755
+			n.subdirs++
+			if err := as.dir(c, e.Hash, childPath(p, e.Name), depth+1); err != nil {
+				return err
+			}
+		case casstore.ModeSymlink:
+			c.mode = fs.ModeSymlink | 0o777
+			if ds.sizes[i] < 0 {
+				as.miss(e.Hash)
+			}
+			c.target = ds.targets[i]
+			t.links[childPath(p, e.Name)] = c.target
+		case casstore.ModeFile, casstore.ModeExec:
+			c.mode = 0o644
+			if e.Mode == casstore.ModeExec {
+				c.mode = 0o755
+			}
+			t.Files++
+			if e.Hash == casstore.EmptyHash {
+				continue
+			}
+			if ds.sizes[i] < 0 {
+				as.miss(e.Hash)
+				continue
+			}
+			c.size = ds.sizes[i]
+			t.Bytes += c.size
+			if _, ok := as.seen[e.Hash]; !ok {
+				as.seen[e.Hash] = struct{}{}
+				t.objects = append(t.objects, e.Hash)
+			}
+		}
+	}
+	return nil
+}
+
+func childPath(dir, name string) string {
+	if dir == "." {
+		return name
+	}
+	return dir + "/" + name
+}
+
+// objDirs reads objects relative to their fan-out directories (opened once per
+// scan), which saves most of each path lookup, and answers sizes from the store's
+// size index first.
+type objDirs struct {
+	store   *casstore.Store
+	root    string
+	index   bool // answer sizes from the store's size index first
+	fanouts [256]struct {
+		once sync.Once
+		fd   int // -1: the fan-out directory does not exist
+		err  error
+	}
+}
+
+// newObjDirs reads the objects of store. It refreshes the store's size index, and
+// uses it only if that works (the index only saves time).
+func newObjDirs(store *casstore.Store) *objDirs {
+	return &objDirs{store: store, root: store.Root(), index: store.RefreshSizes() == nil}
+}
+
+func (od *objDirs) close() {
+	for i := range od.fanouts {
+		f := &od.fanouts[i]
+		f.once.Do(func() { f.fd = -1 })
+		if f.fd >= 0 {
+			unix.Close(f.fd)
+			f.fd = -1
+		}
+	}
+}
+
+// dir returns the fan-out directory of h, or -1 if it does not exist.
+func (od *objDirs) dir(h casstore.Hash) (int, error) {
+	f := &od.fanouts[h[0]]
+	f.once.Do(func() {
+		x := h.String()
+		fd, err := unix.Open(path.Join(od.root, x[:2]), unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+		switch {
+		case err == nil:
+			f.fd = fd
+		case errors.Is(err, unix.ENOENT):
+			f.fd = -1
+		default:
+			f.fd, f.err = -1, fmt.Errorf("object directory %s: %w", x[:2], err)
+		}
+	})
+	return f.fd, f.err
+}
+
+// known answers a size from the size index.
+func (od *objDirs) known(h casstore.Hash) (int64, bool) {
+	if !od.index {
+		return 0, false
+	}
+	return od.store.KnownSize(h)
+}
+
+// stat returns an object's size from its file; ok is false if it is not in the store.
+func (od *objDirs) stat(h casstore.Hash) (int64, bool, error) {
+	fd, err := od.dir(h)
+	if err != nil || fd < 0 {
+		return 0, false, err
+	}
+	var s unix.Stat_t
+	err = unix.Fstatat(fd, h.String()[2:], &s, unix.AT_SYMLINK_NOFOLLOW)
+	if errors.Is(err, unix.ENOENT) {
+		return 0, false, nil
+	}
+	if err != nil {
+		return 0, false, fmt.Errorf("object %s: %w", h, err)
+	}
+	if s.Mode&unix.S_IFMT != unix.S_IFREG {
+		return 0, false, fmt.Errorf("object %s is not a regular file: %w", h, errdefs.ErrDataLoss)
+	}
+	return s.Size, true, nil
+}
+
+// read returns a whole object of at most max bytes, verified against its name; ok is
+// false if it is not in the store.
+func (od *objDirs) read(h casstore.Hash, max int64) ([]byte, bool, error) {
+	dfd, err := od.dir(h)
+	if err != nil || dfd < 0 {
+		return nil, false, err
+	}
+	fd, err := unix.Openat(dfd, h.String()[2:], unix.O_RDONLY|unix.O_CLOEXEC|unix.O_NOFOLLOW|unix.O_NONBLOCK, 0)
+	if errors.Is(err, unix.ENOENT) {
+		return nil, false, nil
+	}
+	if err != nil {
+		return nil, false, fmt.Errorf("object %s: %w", h, err)
+	}
+	defer unix.Close(fd)
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		return nil, false, fmt.Errorf("object %s: %w", h, err)
+	}
+	if st.Mode&unix.S_IFMT != unix.S_IFREG {
+		return nil, false, fmt.Errorf("object %s is not a regular file: %w", h, errdefs.ErrDataLoss)
+	}
+	if st.Size > max {
+		return nil, false, fmt.Errorf("object %s: %d bytes is more than the %d allowed here", h, st.Size, max)
+	}
+	b := make([]byte, st.Size)
+	for off := 0; off < len(b); {
+		n, err := unix.Pread(fd, b[off:], int64(off))
+		if err == unix.EINTR {
+			continue
+		}
+		if err != nil {
+			return nil, false, fmt.Errorf("object %s: read: %w", h, err)
+		}
+		if n == 0 {
+			return nil, false, fmt.Errorf("object %s: shrank while it was read: %w", h, errdefs.ErrDataLoss)
+		}
+		off += n
+	}
+	if got := casstore.Sum(b); got != h {
+		return nil, false, &casstore.CorruptError{Hash: h, Got: got, Path: path.Join(od.root, h.String()[:2], h.String()[2:])}
+	}
+	return b, true, nil
+}
+
+// maxTreeObject bounds a tree object read here (as the store does).
+const maxTreeObject = 256 << 20
+
+// scanDir reads and decodes one tree object and learns the sizes of its files and
+// the targets of its symlinks.
+func (od *objDirs) scanDir(h casstore.Hash) (*dirScan, error) {
+	ds := &dirScan{}
+	if h != casstore.EmptyHash {
+		b, ok, err := od.read(h, maxTreeObject)
+		if err != nil {
+			return nil, fmt.Errorf("read tree %s: %w", h, err)
+		}
+		if !ok {
+			ds.missing = true
+			return ds, nil
+		}
+		if ds.tree, err = casstore.DecodeTree(b); err != nil {
+			return nil, fmt.Errorf("tree %s: %w", h, err)
+		}
+	}
+	ds.sizes = make([]int64, len(ds.tree))
+	for i, e := range ds.tree {
+		switch e.Mode {
+		case casstore.ModeDir:
+		case casstore.ModeSymlink:
+			if ds.targets == nil {
+				ds.targets = make([]string, len(ds.tree))
+			}
+			b, ok, err := od.read(e.Hash, maxSymlinkTarget)
+			if err != nil {
+				return nil, fmt.Errorf("symlink %s: %w", e.Name, err)
+			}
+			if !ok {
+				ds.sizes[i] = -1
+				continue
+			}
+			ds.targets[i] = string(b)
+		case casstore.ModeFile, casstore.ModeExec:
+			if e.Hash == casstore.EmptyHash {
+				continue
+			}
+			if size, ok := od.known(e.Hash); ok {
+				ds.sizes[i] = size
+				ds.indexed++
+				continue
+			}
+			size, ok, err := od.stat(e.Hash)
+			if err != nil {
+				return nil, err
+			}
+			if !ok {
+				ds.sizes[i] = -1
+				continue
+			}
+			ds.sizes[i] = size
+			ds.stated++
+		default:
+			return nil, fmt.Errorf("tree %s: entry %q has unknown mode %s", h.Short(), e.Name, e.Mode)
+		}
+	}
+	return ds, nil
+}
