@@ -56,7 +56,7 @@ type sizeIndex struct {
 	adopt func(string) error
 
 	mu       sync.RWMutex
-	dev, ino uint64 // the file read so far
+	dev, ino uint64         // the file read so far
 	off      int64          // how much of f has been read (a record boundary)
 	m        map[Hash]int64 // -1: entries that disagree
 }
