@@ -91,16 +91,56 @@ type node struct {
 }
 
 // WriteImage writes the tree's metadata-only EROFS image to w. The same tree and
-// spec always give the same bytes.
-func (t *Tree) WriteImage(w io.WriteSeeker) error {
-	ew := erofs.Create(w, erofs.WithBuildTime(Mtime, 0))
+// spec always give the same bytes. The image is laid out in memory (go-erofs writes
+// directory entries one name at a time) and reaches w in one sequential write.
+func (t *Tree) WriteImage(w io.Writer) error {
+	m := &memImage{b: make([]byte, 0, t.sizeHint())}
+	ew := erofs.Create(m, erofs.WithBuildTime(Mtime, 0))
 	if err := ew.CopyFrom(treeFS{t}, erofs.MetadataOnly()); err != nil {
 		return fmt.Errorf("build image: %w", err)
 	}
 	if err := ew.Close(); err != nil {
 		return fmt.Errorf("build image: %w", err)
 	}
+	if _, err := w.Write(m.b); err != nil {
+		return fmt.Errorf("write image: %w", err)
+	}
 	return nil
+}
+
+// sizeHint guesses the image size (about 240 bytes per entry in practice).
+func (t *Tree) sizeHint() int { return 4096 + 256*(t.Files+t.Dirs) }
+
+// memImage is an in-memory io.WriteSeeker.
+type memImage struct {
+	b   []byte
+	off int
+}
+
+func (m *memImage) Write(p []byte) (int, error) {
+	if end := m.off + len(p); end > len(m.b) {
+		m.b = append(m.b, make([]byte, end-len(m.b))...)
+	}
+	copy(m.b[m.off:], p)
+	m.off += len(p)
+	return len(p), nil
+}
+
+func (m *memImage) Seek(off int64, whence int) (int64, error) {
+	switch whence {
+	case io.SeekStart:
+	case io.SeekCurrent:
+		off += int64(m.off)
+	case io.SeekEnd:
+		off += int64(len(m.b))
+	default:
+		return 0, fmt.Errorf("seek: bad whence %d", whence)
+	}
+	if off < 0 || off > 1<<40 {
+		return 0, fmt.Errorf("seek to %d: out of range", off)
+	}
+	m.off = int(off)
+	return off, nil
 }
 
 // Redirect is the overlay redirect of an object: its path relative to the store root.
