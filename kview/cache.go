@@ -31,6 +31,7 @@ type Cache struct {
 	// so an image is never collected between being built and being mounted.
 	gate  sync.RWMutex
 	stats *Stats
+	memo  *treeMemo // decoded trees, shared by the builds of every image
 }
 
 // meta is KEY.json.
@@ -51,7 +52,7 @@ func NewCache(dir string, store *casstore.Store, stats *Stats) (*Cache, error) {
 	if stats == nil {
 		stats = &Stats{}
 	}
-	return &Cache{dir: dir, store: store, stats: stats}, nil
+	return &Cache{dir: dir, store: store, stats: stats, memo: newTreeMemo(defaultMemoEntries)}, nil
 }
 
 // Dir is the cache directory.
@@ -126,7 +127,7 @@ func (c *Cache) checkObjects(ctx context.Context, spec Spec, key string) error {
 // temp file and a rename, the image last.
 func (c *Cache) build(ctx context.Context, spec Spec, key string) error {
 	start := time.Now()
-	t, err := Scan(ctx, c.store, spec)
+	t, err := scan(ctx, c.store, spec, c.memo)
 	if err != nil {
 		return err
 	}

@@ -285,3 +285,51 @@ func TestScanSizesIndexOrStat(t *testing.T) {
 		t.Fatal("image differs when every size came from a stat")
 	}
 }
+
+// TestScanMemo: a scan that takes decoded trees from the memo gives the same image as
+// one that reads them, still finds file objects that went missing, and the memo
+// stays within its bound.
+func TestScanMemo(t *testing.T) {
+	s := casstoretest.NewStore(t)
+	root := fixture(t, s)
+	memo := newTreeMemo(1000)
+	image := func(spec Spec, memo *treeMemo) []byte {
+		t.Helper()
+		tr, err := scan(context.Background(), s, spec, memo)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var buf bytes.Buffer
+		if err := tr.WriteImage(&buf); err != nil {
+			t.Fatal(err)
+		}
+		return buf.Bytes()
+	}
+	for _, spec := range []Spec{{Root: root}, {Root: root, Prefix: "app", UID: 7, GID: 8}} {
+		want := image(spec, nil)
+		image(spec, memo) // fills the memo
+		if got := image(spec, memo); !bytes.Equal(got, want) {
+			t.Fatalf("%+v: image from memoized trees differs", spec)
+		}
+	}
+	if len(memo.m) == 0 {
+		t.Fatal("the memo remembered nothing")
+	}
+	// A file object removed: the memoized scan still reports it.
+	gone := casstore.Sum([]byte("package b\n"))
+	removeObject(t, s, gone)
+	_, err := scan(context.Background(), s, Spec{Root: root}, memo)
+	var miss *MissingError
+	if !errors.As(err, &miss) || len(miss.Objects) != 1 || miss.Objects[0] != gone {
+		t.Fatalf("memoized scan with a missing object: %v", err)
+	}
+	// The bound: a memo of 3 entries never holds more.
+	small := newTreeMemo(3)
+	if _, err := s.PutBytes([]byte("package b\n")); err != nil {
+		t.Fatal(err)
+	}
+	image(Spec{Root: root}, small)
+	if small.entries > 3 {
+		t.Fatalf("memo holds %d entries, bound 3", small.entries)
+	}
+}

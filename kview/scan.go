@@ -60,7 +60,17 @@ type dirScan struct {
 // dropped before anything removes the object), and from a stat of the object
 // otherwise. Tree objects are read and decoded by several workers at once.
 func Scan(ctx context.Context, store *casstore.Store, spec Spec) (*Tree, error) {
+	return scan(ctx, store, spec, nil)
+}
+
+// scan is Scan with decoded tree objects remembered in memo (if not nil) from one
+// scan to the next: tree objects never change, so a view of a new root (a commit's,
+// another owner's) decodes only the trees it does not share with earlier views.
+// File objects are still looked up every time (index, then stat); tree objects a
+// memo holds are not re-read, and need not be local: the image never reads them.
+func scan(ctx context.Context, store *casstore.Store, spec Spec, memo *treeMemo) (*Tree, error) {
 	od := newObjDirs(store)
+	od.memo = memo
 	defer od.close()
 	scans, err := readTrees(ctx, od, spec.Root)
 	if err != nil {
@@ -257,6 +267,7 @@ func childPath(dir, name string) string {
 // scan), which saves most of each path lookup, and answers sizes from the store's
 // size index first.
 type objDirs struct {
+	memo    *treeMemo
 	store   *casstore.Store
 	root    string
 	index   bool // answer sizes from the store's size index first
@@ -382,7 +393,10 @@ const maxTreeObject = 256 << 20
 // the targets of its symlinks.
 func (od *objDirs) scanDir(h casstore.Hash) (*dirScan, error) {
 	ds := &dirScan{}
-	if h != casstore.EmptyHash {
+	var memoTargets []string
+	if m, ok := od.memo.get(h); ok {
+		ds.tree, memoTargets = m.tree, m.targets
+	} else if h != casstore.EmptyHash {
 		b, ok, err := od.read(h, maxTreeObject)
 		if err != nil {
 			return nil, fmt.Errorf("read tree %s: %w", h, err)
@@ -400,6 +414,18 @@ func (od *objDirs) scanDir(h casstore.Hash) (*dirScan, error) {
 		switch e.Mode {
 		case casstore.ModeDir:
 		case casstore.ModeSymlink:
+			if memoTargets != nil {
+				ds.targets = memoTargets
+				if _, ok := od.known(e.Hash); ok {
+					continue
+				}
+				if _, ok, err := od.stat(e.Hash); err != nil {
+					return nil, err
+				} else if !ok {
+					ds.sizes[i] = -1
+				}
+				continue
+			}
 			if ds.targets == nil {
 				ds.targets = make([]string, len(ds.tree))
 			}
@@ -435,5 +461,66 @@ func (od *objDirs) scanDir(h casstore.Hash) (*dirScan, error) {
 			return nil, fmt.Errorf("tree %s: entry %q has unknown mode %s", h.Short(), e.Name, e.Mode)
 		}
 	}
+	if memoTargets == nil {
+		complete := true
+		for i, e := range ds.tree {
+			if e.Mode == casstore.ModeSymlink && ds.sizes[i] < 0 {
+				complete = false // a target we could not read: do not remember ""
+			}
+		}
+		if complete {
+			od.memo.put(h, ds.tree, ds.targets)
+		}
+	}
 	return ds, nil
+}
+
+// treeMemo remembers decoded tree objects (and their symlinks' targets) across
+// scans, up to maxEntries entries in all; past that it starts over, which bounds
+// its memory (~100 bytes an entry) without bookkeeping on the hot path.
+type treeMemo struct {
+	mu         sync.Mutex
+	m          map[casstore.Hash]memoTree
+	entries    int
+	maxEntries int
+}
+
+type memoTree struct {
+	tree    casstore.Tree
+	targets []string // nil: no symlinks
+}
+
+// defaultMemoEntries is about 20 MB of decoded trees: a few trees the size of
+// the Go source tree's 12k entries or one the size of a large monorepo.
+const defaultMemoEntries = 200_000
+
+func newTreeMemo(maxEntries int) *treeMemo {
+	return &treeMemo{m: map[casstore.Hash]memoTree{}, maxEntries: maxEntries}
+}
+
+func (tm *treeMemo) get(h casstore.Hash) (memoTree, bool) {
+	if tm == nil {
+		return memoTree{}, false
+	}
+	tm.mu.Lock()
+	defer tm.mu.Unlock()
+	t, ok := tm.m[h]
+	return t, ok
+}
+
+func (tm *treeMemo) put(h casstore.Hash, t casstore.Tree, targets []string) {
+	if tm == nil {
+		return
+	}
+	tm.mu.Lock()
+	defer tm.mu.Unlock()
+	if _, ok := tm.m[h]; ok {
+		return
+	}
+	if tm.entries+len(t) > tm.maxEntries {
+		clear(tm.m)
+		tm.entries = 0
+	}
+	tm.m[h] = memoTree{tree: t, targets: targets}
+	tm.entries += len(t) + 1
 }
