@@ -89,6 +89,19 @@ func (s *Store) KnownSize(h Hash) (int64, bool) {
 	return v, ok && v >= 0
 }
 
+// KnownSizes calls fn for every usable entry of the size index, as of the last
+// RefreshSizes (fsck compares them with the objects).
+func (s *Store) KnownSizes(fn func(h Hash, size int64)) {
+	x := s.sizes
+	x.mu.RLock()
+	defer x.mu.RUnlock()
+	for h, v := range x.m {
+		if v >= 0 {
+			fn(h, v)
+		}
+	}
+}
+
 // RefreshSizes reads what any process appended to the size index since the last
 // call (the whole index on the first call, or when the file was replaced).
 func (s *Store) RefreshSizes() error {

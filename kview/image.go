@@ -203,7 +203,7 @@ func (f treeFS) ReadDir(name string) ([]fs.DirEntry, error) {
 	}
 	out := make([]fs.DirEntry, len(n.children))
 	for i, c := range n.children {
-		out[i] = fs.FileInfoToDirEntry(f.info(c))
+		out[i] = f.info(c)
 	}
 	return out, nil
 }
@@ -221,7 +221,8 @@ func (f treeFS) ReadLink(name string) (string, error) {
 }
 
 func (f treeFS) info(n *node) *nodeInfo {
-	st := &erofs.Stat{Mode: n.mode, Mtime: Mtime, Nlink: 1}
+	i := &nodeInfo{n: n, st: erofs.Stat{Mode: n.mode, Mtime: Mtime, Nlink: 1}}
+	st := &i.st
 	if n.owned {
 		st.UID, st.GID = f.t.spec.UID, f.t.spec.GID
 	}
@@ -234,12 +235,12 @@ func (f treeFS) info(n *node) *nodeInfo {
 	case n.mode&fs.ModeSymlink != 0:
 		st.Size = int64(len(n.target))
 	}
-	return &nodeInfo{n: n, st: st}
+	return i
 }
 
 type nodeInfo struct {
 	n  *node
-	st *erofs.Stat
+	st erofs.Stat
 }
 
 func (i *nodeInfo) Name() string       { return i.n.name }
@@ -247,7 +248,11 @@ func (i *nodeInfo) Size() int64        { return i.st.Size }
 func (i *nodeInfo) Mode() fs.FileMode  { return i.n.mode }
 func (i *nodeInfo) ModTime() time.Time { return time.Unix(Mtime, 0) }
 func (i *nodeInfo) IsDir() bool        { return i.n.mode.IsDir() }
-func (i *nodeInfo) Sys() any           { return i.st }
+func (i *nodeInfo) Sys() any           { return &i.st }
+
+// A nodeInfo is its own fs.DirEntry, which saves ReadDir a wrapper per entry.
+func (i *nodeInfo) Type() fs.FileMode          { return i.n.mode.Type() }
+func (i *nodeInfo) Info() (fs.FileInfo, error) { return i, nil }
 
 // nodeFile is what Open returns: stat-only (CopyFrom never reads file data in
 // metadata-only mode).

@@ -71,6 +71,10 @@ type Report struct {
 	// mid-ingest). They are not objects and harm nothing but space; the next writer
 	// or tidepoold's start removes them.
 	Leftovers []casstore.TempFile
+	// SizesForgotten counts the size index entries fsck dropped: objects that are
+	// gone (deleted by hand) or whose file's size is not the one recorded (corrupt).
+	// Dropping them is always safe: an absent entry means a stat.
+	SizesForgotten int
 }
 
 // Healthy reports whether the check found nothing wrong.
@@ -151,6 +155,7 @@ func (r *Report) verifyAll(ctx context.Context, s *casstore.Store, workers int) 
 		})
 	})
 	var mu sync.Mutex
+	good := map[casstore.Hash]int64{}
 	for i := 0; i < workers; i++ {
 		g.Go(func() error {
 			for o := range work {
@@ -174,6 +179,8 @@ func (r *Report) verifyAll(ctx context.Context, s *casstore.Store, workers int) 
 				r.Bytes += size
 				if bad != nil {
 					r.Bad = append(r.Bad, *bad)
+				} else {
+					good[o.h] = size
 				}
 				mu.Unlock()
 			}
@@ -184,6 +191,34 @@ func (r *Report) verifyAll(ctx context.Context, s *casstore.Store, workers int) 
 		return fmt.Errorf("fsck: %w", err)
 	}
 	sort.Slice(r.Bad, func(i, j int) bool { return r.Bad[i].Path < r.Bad[j].Path })
+	return r.reconcileSizes(s, good)
+}
+
+// reconcileSizes drops the size index entries that disagree with the objects just
+// verified (good: each sound object's size). An object published after the walk
+// listed the store loses its entry too, which costs only a stat later.
+func (r *Report) reconcileSizes(s *casstore.Store, good map[casstore.Hash]int64) error {
+	if err := s.RefreshSizes(); err != nil {
+		return fmt.Errorf("fsck: %w", err)
+	}
+	var stale []casstore.Hash
+	s.KnownSizes(func(h casstore.Hash, size int64) {
+		if got, ok := good[h]; !ok || got != size {
+			stale = append(stale, h)
+		}
+	})
+	if len(stale) == 0 {
+		return nil
+	}
+	unlock, err := s.LockExclusive()
+	if err != nil {
+		return fmt.Errorf("fsck: %w", err)
+	}
+	defer unlock()
+	if err := s.ForgetSizes(stale); err != nil {
+		return fmt.Errorf("fsck: %w", err)
+	}
+	r.SizesForgotten = len(stale)
 	return nil
 }
 

@@ -218,3 +218,29 @@ func TestCheckManyObjectsConcurrently(t *testing.T) {
 		t.Fatalf("cancelled check: %v", err)
 	}
 }
+
+// TestCheckReconcilesSizeIndex: the size index entry of an object deleted by hand (an
+// entry also means "present") or overwritten with other bytes is dropped; sound
+// objects keep theirs.
+func TestCheckReconcilesSizeIndex(t *testing.T) {
+	s, root, hs := fixture(t)
+	if err := os.Remove(s.Path(hs["garbage"])); err != nil {
+		t.Fatal(err)
+	}
+	corrupt(t, s, hs["b"], "other, longer bytes")
+	r, err := Check(context.Background(), s, casstoretest.Roots{root}, Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r.SizesForgotten != 2 {
+		t.Fatalf("forgot %d size entries, want 2", r.SizesForgotten)
+	}
+	if err := s.RefreshSizes(); err != nil {
+		t.Fatal(err)
+	}
+	for name, want := range map[string]bool{"garbage": false, "b": false, "a": true} {
+		if _, ok := s.KnownSize(hs[name]); ok != want {
+			t.Errorf("%s: size known %v, want %v", name, ok, want)
+		}
+	}
+}
