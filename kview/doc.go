@@ -9,7 +9,11 @@
 // keeps working while tidepoold restarts.
 //
 // Images are cached under a directory keyed by (root, prefix, owner), built once per
-// key (single-flight) and removed by Collect when no mounted view uses them. Mounted
+// key (single-flight) and removed by Collect when no mounted view uses them. A build
+// is on a container's create path, so it is kept cheap: tree objects are read by
+// several workers and remembered decoded for later builds (trees never change), file
+// sizes come from the store's size index (casstore.Store.KnownSize) with a stat only
+// where it has no entry, and the image is laid out in memory and written once. Mounted
 // views are found again after a restart from the mount table: the overlay's source
 // names the image key ("tidepool-kview:<key>").
 //
