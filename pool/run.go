@@ -15,6 +15,7 @@ import (
 	containerd "github.com/containerd/containerd/v2/client"
 	"github.com/containerd/errdefs"
 	"github.com/containerd/log"
+	"github.com/moby/sys/mountinfo"
 
 	"github.com/tidepool-dev/tidepool/casstore"
 	"github.com/tidepool-dev/tidepool/pool/holder"
@@ -38,6 +39,28 @@ type RunIO struct {
 	Signals        <-chan syscall.Signal
 	// Started, if set, is called once the workload runs, with the member's id.
 	Started func(member string)
+	// Finished, if set, is called with the result once the workload has exited and
+	// its changes are committed, before the member is torn down and the pool refilled:
+	// the caller delivers the result first, so teardown stays off its critical path.
+	Finished func(RunResult)
+}
+
+// Step is one timed stage of a run, for callers that report where the time went.
+type Step struct {
+	Name     string
+	Duration time.Duration
+}
+
+// steps times consecutive stages: each mark closes the stage begun at the previous.
+type steps struct {
+	last time.Time
+	list []Step
+}
+
+func (s *steps) mark(name string) {
+	now := time.Now()
+	s.list = append(s.list, Step{Name: name, Duration: now.Sub(s.last)})
+	s.last = now
 }
 
 // RunResult is how the workload ended and where its changes went.
@@ -47,6 +70,10 @@ type RunResult struct {
 	ForkID       string
 	Root         casstore.Hash
 	ClaimLatency time.Duration
+	// Steps are the run's stages in order: ready (pools started), take (an idle
+	// member), bind (the fork into its view), exec (the workload to the holder), resume
+	// (thaw), workload (until it exited), drain (its last output), commit.
+	Steps []Step
 }
 
 // claimAttempts bounds how many tainted members one claim may throw away.
@@ -79,20 +106,22 @@ func (c *Controller) Run(ctx context.Context, spec RunSpec, rio RunIO) (RunResul
 	}
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
+	st := steps{last: time.Now()}
 	if err := c.waitReady(ctx); err != nil {
 		return res, err
 	}
-	start := time.Now()
-	m, err := c.claim(ctx, p, spec)
+	st.mark("ready")
+	start := st.last
+	m, err := c.claim(ctx, p, spec, &st)
 	if err != nil {
 		return res, err
 	}
 	tClaimed := time.Since(start)
-	defer p.release()
 
 	stdio, parent, err := pipes(rio.Stdin != nil)
 	if err != nil {
 		p.destroy(ctx, m)
+		p.release()
 		return res, err
 	}
 	defer closeAll(parent)
@@ -102,10 +131,14 @@ func (c *Controller) Run(ctx context.Context, spec RunSpec, rio RunIO) (RunResul
 	}, stdio)
 	closeAll(stdio)
 	if err == nil {
-		err = m.task.Resume(ctx)
+		st.mark("exec")
+		if err = thawMember(ctx, m); err == nil {
+			st.mark("resume")
+		}
 	}
 	if err != nil {
 		p.destroy(ctx, m)
+		p.release()
 		return res, fmt.Errorf("run in member %s: %w", m.id, err)
 	}
 	// Only now is there a workload whose status the caller gets; before, an error.
@@ -153,7 +186,9 @@ func (c *Controller) Run(ctx context.Context, spec RunSpec, rio RunIO) (RunResul
 			done = true
 		}
 	}
+	st.mark("workload")
 	copies.Wait()
+	st.mark("drain")
 	res.Status = int(status.ExitCode())
 	bg := context.WithoutCancel(ctx)
 	if !spec.Discard {
@@ -161,24 +196,33 @@ func (c *Controller) Run(ctx context.Context, spec RunSpec, rio RunIO) (RunResul
 		if err != nil {
 			log.G(ctx).WithError(err).WithField("member", m.id).Warn("pools: commit failed; the snapshot commits when containerd removes it")
 		}
+		st.mark("commit")
 	}
+	res.Steps = st.list
+	if rio.Finished != nil {
+		rio.Finished(res)
+	}
+	// Teardown and refill run after the result went out.
+	p.release()
 	go p.destroy(bg, m)
 	return res, err
 }
 
 // claim takes an idle member and binds the fork to its view. A member whose workdir
 // was looked up before binding is discarded and another taken.
-func (c *Controller) claim(ctx context.Context, p *Pool, spec RunSpec) (*Member, error) {
+func (c *Controller) claim(ctx context.Context, p *Pool, spec RunSpec, st *steps) (*Member, error) {
 	for attempt := 0; ; attempt++ {
 		m, err := p.take(ctx)
 		if err != nil {
 			return nil, err
 		}
+		st.mark("take")
 		if spec.Fork == "" {
 			return m, nil
 		}
 		_, err = c.sn.Bind(ctx, snapshotter.BindRequest{Key: m.snapKey, Fork: spec.Fork, Discard: spec.Discard})
 		if err == nil {
+			st.mark("bind")
 			return m, nil
 		}
 		p.release()
@@ -247,4 +291,50 @@ func mergeEnv(base, over []string) []string {
 		}
 	}
 	return out
+}
+
+// thawMember starts a claimed member's workload by thawing its freezer cgroup
+// directly: one write, where a resume through containerd costs a round trip to the
+// shim and an exec of runc, the largest step of a warm run. containerd keeps calling
+// the task paused until it exits (the shim's paused state handles the exit, and
+// signals and kills work in it); members whose cgroup cannot be found this way, or
+// that moved to a container's cgroup, are resumed through containerd.
+func thawMember(ctx context.Context, m *Member) error {
+	if m.movedTo == "" && m.cgroup != "" {
+		if dir := freezerDir(); dir != "" {
+			state := filepath.Join(dir, filepath.Clean("/"+m.cgroup), "freezer.state")
+			err := os.WriteFile(state, []byte("THAWED"), 0)
+			if err == nil {
+				return nil
+			}
+			log.G(ctx).WithError(err).WithField("member", m.id).Debug("pools: thawing the freezer cgroup failed; resuming through containerd")
+		}
+	}
+	return m.resume(ctx)
+}
+
+var (
+	freezerOnce  sync.Once
+	freezerMount string
+)
+
+// freezerDir is where the cgroup v1 freezer hierarchy is mounted, or "".
+func freezerDir() string {
+	freezerOnce.Do(func() {
+		mounts, err := mountinfo.GetMounts(func(i *mountinfo.Info) (skip, stop bool) {
+			if i.FSType != "cgroup" {
+				return true, false
+			}
+			for _, o := range strings.Split(i.VFSOptions, ",") {
+				if o == "freezer" {
+					return false, true
+				}
+			}
+			return true, false
+		})
+		if err == nil && len(mounts) > 0 {
+			freezerMount = mounts[0].Mountpoint
+		}
+	})
+	return freezerMount
 }
