@@ -319,6 +319,9 @@ func (c *Controller) destroyContainer(ctx context.Context, ctr containerd.Contai
 	moved := labels[LabelCgroup]
 	if task, err := ctr.Task(ctx, nil); err == nil {
 		killAndDelete(ctx, task, func() {
+			if spec, err := ctr.Spec(ctx); err == nil && spec.Linux != nil && spec.Linux.CgroupsPath != "" {
+				c.cgroups.Thaw(spec.Linux.CgroupsPath) // an idle member frozen by freezeMember
+			}
 			if moved != "" {
 				c.cgroups.Signal(moved, syscall.SIGKILL)
 				c.cgroups.Thaw(moved)

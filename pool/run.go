@@ -132,7 +132,7 @@ func (c *Controller) Run(ctx context.Context, spec RunSpec, rio RunIO) (RunResul
 	closeAll(stdio)
 	if err == nil {
 		st.mark("exec")
-		if err = thawMember(ctx, m); err == nil {
+		if err = m.resume(ctx); err == nil {
 			st.mark("resume")
 		}
 	}
@@ -293,24 +293,46 @@ func mergeEnv(base, over []string) []string {
 	return out
 }
 
-// thawMember starts a claimed member's workload by thawing its freezer cgroup
-// directly: one write, where a resume through containerd costs a round trip to the
-// shim and an exec of runc, the largest step of a warm run. containerd keeps calling
-// the task paused until it exits (the shim's paused state handles the exit, and
-// signals and kills work in it); members whose cgroup cannot be found this way, or
-// that moved to a container's cgroup, are resumed through containerd.
+// freezeMember freezes an idle member by its freezer cgroup, leaving the task
+// running as far as containerd knows, so that a claim thaws it with one write
+// (thawMember) and the shim handles its exit as a running task's: pausing and resuming
+// through containerd would each cost a round trip to the shim and an exec of runc on
+// the claim's path (the resume; and, for a task that ends while containerd calls it
+// paused, another resume before the exit is reported). Members without a cgroup path
+// are paused through containerd.
+func freezeMember(ctx context.Context, m *Member) error {
+	if m.cgroup != "" {
+		err := m.pool.c.cgroups.Freeze(m.cgroup)
+		if err == nil {
+			return nil
+		}
+		log.G(ctx).WithError(err).WithField("member", m.id).Debug("pools: freezing the member's cgroup failed; pausing through containerd")
+	}
+	if err := m.task.Pause(ctx); err != nil {
+		return err
+	}
+	m.runcPaused = true
+	return nil
+}
+
+// thawMember starts a claimed member's processes: by thawing its freezer cgroup
+// directly when freezeMember froze it (one write, on cgroup v1 synchronous), else
+// through containerd.
 func thawMember(ctx context.Context, m *Member) error {
-	if m.movedTo == "" && m.cgroup != "" {
-		if dir := freezerDir(); dir != "" {
-			state := filepath.Join(dir, filepath.Clean("/"+m.cgroup), "freezer.state")
-			err := os.WriteFile(state, []byte("THAWED"), 0)
-			if err == nil {
-				return nil
-			}
-			log.G(ctx).WithError(err).WithField("member", m.id).Debug("pools: thawing the freezer cgroup failed; resuming through containerd")
+	if m.runcPaused || m.cgroup == "" {
+		if err := m.task.Resume(ctx); err != nil {
+			return err
+		}
+		m.runcPaused = false
+		return nil
+	}
+	if dir := freezerDir(); dir != "" {
+		state := filepath.Join(dir, filepath.Clean("/"+m.cgroup), "freezer.state")
+		if err := os.WriteFile(state, []byte("THAWED"), 0); err == nil {
+			return nil
 		}
 	}
-	return m.resume(ctx)
+	return m.pool.c.cgroups.Thaw(m.cgroup)
 }
 
 var (
