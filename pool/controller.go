@@ -84,6 +84,9 @@ type Controller struct {
 
 	cancel context.CancelFunc
 	wg     sync.WaitGroup
+	// teardowns are the claimed members being destroyed after their result went out;
+	// Stop waits for them.
+	teardowns sync.WaitGroup
 }
 
 // NewController checks the templates; Start connects to containerd.
@@ -180,6 +183,7 @@ func (c *Controller) Stop() {
 		c.cancel()
 	}
 	c.wg.Wait()
+	c.teardowns.Wait()
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if c.client != nil {

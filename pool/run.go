@@ -204,7 +204,11 @@ func (c *Controller) Run(ctx context.Context, spec RunSpec, rio RunIO) (RunResul
 	}
 	// Teardown and refill run after the result went out.
 	p.release()
-	go p.destroy(bg, m)
+	c.teardowns.Add(1)
+	go func() {
+		defer c.teardowns.Done()
+		p.destroy(bg, m)
+	}()
 	return res, err
 }
 
