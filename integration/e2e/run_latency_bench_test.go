@@ -140,7 +140,8 @@ func leftOfMembers(t testing.TB, s *stack.Stack, members []string) string {
 // (the CLI process's wall clock: start, dial, claim, bind, run, commit, exit), against
 // a cold `ctr run --rm` of the same image with the same fork through the tidepool
 // shim and snapshotter, p50 and p99 of each in the same run. Goal: warm p50 ≤ 40 ms.
-// The median of each step `--timings` reports is logged beside.
+// The median of each step `--timings` reports is logged beside, and the CLI's floor:
+// `tidepool pools`, a process that starts, makes one call and exits.
 func BenchmarkRunLatency(b *testing.B) {
 	const target = 4
 	s := poolStack(b, target, "")
@@ -150,7 +151,7 @@ func BenchmarkRunLatency(b *testing.B) {
 	tidepool := filepath.Join(s.Bin, "tidepool")
 
 	runs := max(b.N, 20)
-	var warm, cold []time.Duration
+	var warm, cold, noop []time.Duration
 	steps := map[string][]time.Duration{}
 	var order []string
 	b.ResetTimer()
@@ -162,6 +163,13 @@ func BenchmarkRunLatency(b *testing.B) {
 			b.Fatalf("warm run: %v\n%s", err, out)
 		}
 		warm = append(warm, time.Since(start))
+
+		// The CLI's floor: a process that starts, makes one call and exits.
+		start = time.Now()
+		if out, err := exec.Command(tidepool, "--root", s.Root, "pools").CombinedOutput(); err != nil {
+			b.Fatalf("tidepool pools: %v\n%s", err, out)
+		}
+		noop = append(noop, time.Since(start))
 
 		// The same run with --timings, for the breakdown (not in the figures).
 		waitIdle(b, s, "node", target)
@@ -188,6 +196,7 @@ func BenchmarkRunLatency(b *testing.B) {
 	ms := func(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
 	b.ReportMetric(ms(percentile(warm, 0.5)), "warm-run-p50-ms")
 	b.ReportMetric(ms(percentile(warm, 0.99)), "warm-run-p99-ms")
+	b.ReportMetric(ms(percentile(noop, 0.5)), "cli-noop-p50-ms")
 	b.ReportMetric(ms(percentile(cold, 0.5)), "cold-ctr-p50-ms")
 	b.ReportMetric(ms(percentile(cold, 0.99)), "cold-ctr-p99-ms")
 	b.ReportMetric(float64(percentile(cold, 0.5))/float64(percentile(warm, 0.5)), "cold/warm-p50-x")
