@@ -20,6 +20,7 @@ import (
 
 // Client talks to tidepoold's local API over a unix socket.
 type Client struct {
+	address   string
 	conn      *grpc.ClientConn
 	forks     apiv1.ForksClient
 	snapshots apiv1.SnapshotsClient
@@ -31,6 +32,24 @@ var _ forks.Service = (*Client)(nil)
 // Dial connects to the API socket at address and checks that a daemon answers within
 // timeout, so callers can fall back cleanly when none runs.
 func Dial(ctx context.Context, address string, timeout time.Duration) (*Client, error) {
+	c, err := Connect(address)
+	if err != nil {
+		return nil, err
+	}
+	pctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	if _, err := c.daemon.Info(pctx, &apiv1.InfoRequest{}, grpc.WaitForReady(true)); err != nil {
+		c.conn.Close()
+		return nil, fmt.Errorf("tidepoold API at %s does not answer: %w", address, errgrpc.ToNative(err))
+	}
+	return c, nil
+}
+
+// Connect makes a client of the API socket at address without a round trip: the
+// connection is made by the first call, which fails at once (no retries) when no
+// daemon listens. Callers with nothing to fall back to use it, to keep the round trip
+// off their path.
+func Connect(address string) (*Client, error) {
 	// The daemon must be root (or us): a socket someone else bound would receive
 	// container specs and workloads.
 	dial := func(ctx context.Context, _ string) (net.Conn, error) {
@@ -49,14 +68,7 @@ func Dial(ctx context.Context, address string, timeout time.Duration) (*Client, 
 	if err != nil {
 		return nil, fmt.Errorf("tidepoold API at %s: %w", address, err)
 	}
-	c := &Client{conn: conn, forks: apiv1.NewForksClient(conn), snapshots: apiv1.NewSnapshotsClient(conn), daemon: apiv1.NewDaemonClient(conn)}
-	pctx, cancel := context.WithTimeout(ctx, timeout)
-	defer cancel()
-	if _, err := c.daemon.Info(pctx, &apiv1.InfoRequest{}, grpc.WaitForReady(true)); err != nil {
-		conn.Close()
-		return nil, fmt.Errorf("tidepoold API at %s does not answer: %w", address, errgrpc.ToNative(err))
-	}
-	return c, nil
+	return &Client{address: address, conn: conn, forks: apiv1.NewForksClient(conn), snapshots: apiv1.NewSnapshotsClient(conn), daemon: apiv1.NewDaemonClient(conn)}, nil
 }
 
 // Close closes the connection.

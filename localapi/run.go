@@ -3,9 +3,13 @@ package localapi
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"os"
+	"strconv"
+	"strings"
 	"syscall"
+	"time"
 
 	"github.com/containerd/errdefs/pkg/errgrpc"
 
@@ -17,6 +21,49 @@ type RunStreams struct {
 	Stdin          io.Reader
 	Stdout, Stderr io.Writer
 	Signals        <-chan os.Signal
+	// Steps, if set, receives the daemon's timed stages of the run (from the call's
+	// trailer), once the run has ended.
+	Steps func([]Step)
+}
+
+// RunStepsTrailer is the gRPC trailer key carrying a run's timed stages, as
+// FormatSteps writes them: it travels beside the result, not in it, since it only
+// explains where the time went.
+const RunStepsTrailer = "tidepool-run-steps"
+
+// Step is one timed stage of a run.
+type Step struct {
+	Name     string
+	Duration time.Duration
+}
+
+// FormatSteps writes stages as name=milliseconds pairs, comma-separated.
+func FormatSteps(steps []Step) string {
+	var b strings.Builder
+	for i, st := range steps {
+		if i > 0 {
+			b.WriteByte(',')
+		}
+		b.WriteString(st.Name)
+		b.WriteByte('=')
+		b.WriteString(strconv.FormatFloat(float64(st.Duration.Microseconds())/1000, 'f', 3, 64))
+	}
+	return b.String()
+}
+
+// ParseSteps reads what FormatSteps wrote; malformed pairs are skipped, since the
+// figures only inform.
+func ParseSteps(s string) []Step {
+	var out []Step
+	for _, kv := range strings.Split(s, ",") {
+		k, v, ok := strings.Cut(kv, "=")
+		ms, err := strconv.ParseFloat(v, 64)
+		if !ok || k == "" || err != nil {
+			continue
+		}
+		out = append(out, Step{Name: k, Duration: time.Duration(ms * float64(time.Millisecond))})
+	}
+	return out
 }
 
 // Run claims a member of a pool and runs a command in it, relaying stdio and signals,
@@ -26,10 +73,12 @@ func (c *Client) Run(ctx context.Context, start *apiv1.RunStart, s RunStreams) (
 	defer cancel()
 	stream, err := apiv1.NewPoolsClient(c.conn).Run(ctx)
 	if err != nil {
-		return nil, errgrpc.ToNative(err)
+		return nil, fmt.Errorf("tidepoold API at %s: %w", c.address, errgrpc.ToNative(err))
 	}
 	if err := stream.Send(&apiv1.RunRequest{Msg: &apiv1.RunRequest_Start{Start: start}}); err != nil {
-		return nil, errgrpc.ToNative(err)
+		if !errors.Is(err, io.EOF) { // EOF: the daemon ended the call; Recv says why
+			return nil, fmt.Errorf("tidepoold API at %s: %w", c.address, errgrpc.ToNative(err))
+		}
 	}
 	sendErr := make(chan error, 1)
 	msgs := make(chan *apiv1.RunRequest)
@@ -93,6 +142,15 @@ func (c *Client) Run(ctx context.Context, start *apiv1.RunStart, s RunStreams) (
 		case *apiv1.RunResponse_Stderr:
 			s.Stderr.Write(m.Stderr)
 		case *apiv1.RunResponse_Exit:
+			if s.Steps != nil {
+				// The trailer comes with the end of the stream, right after the exit.
+				for {
+					if _, err := stream.Recv(); err != nil {
+						break
+					}
+				}
+				s.Steps(ParseSteps(strings.Join(stream.Trailer().Get(RunStepsTrailer), ",")))
+			}
 			return m.Exit, nil
 		}
 	}
@@ -102,7 +160,7 @@ func (c *Client) Run(ctx context.Context, start *apiv1.RunStart, s RunStreams) (
 func (c *Client) ListPools(ctx context.Context) ([]*apiv1.PoolStatus, error) {
 	r, err := apiv1.NewPoolsClient(c.conn).List(ctx, &apiv1.ListPoolsRequest{})
 	if err != nil {
-		return nil, errgrpc.ToNative(err)
+		return nil, fmt.Errorf("tidepoold API at %s: %w", c.address, errgrpc.ToNative(err))
 	}
 	return r.GetPools(), nil
 }

@@ -84,6 +84,9 @@ type Controller struct {
 
 	cancel context.CancelFunc
 	wg     sync.WaitGroup
+	// teardowns are the claimed members being destroyed after their result went out;
+	// Stop waits for them.
+	teardowns sync.WaitGroup
 }
 
 // NewController checks the templates; Start connects to containerd.
@@ -180,6 +183,7 @@ func (c *Controller) Stop() {
 		c.cancel()
 	}
 	c.wg.Wait()
+	c.teardowns.Wait()
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if c.client != nil {
@@ -319,6 +323,9 @@ func (c *Controller) destroyContainer(ctx context.Context, ctr containerd.Contai
 	moved := labels[LabelCgroup]
 	if task, err := ctr.Task(ctx, nil); err == nil {
 		killAndDelete(ctx, task, func() {
+			if spec, err := ctr.Spec(ctx); err == nil && spec.Linux != nil && spec.Linux.CgroupsPath != "" {
+				c.cgroups.Thaw(spec.Linux.CgroupsPath) // an idle member frozen by freezeMember
+			}
 			if moved != "" {
 				c.cgroups.Signal(moved, syscall.SIGKILL)
 				c.cgroups.Thaw(moved)

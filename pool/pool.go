@@ -35,11 +35,14 @@ type Member struct {
 	holderUID uint32 // the image's user, which the holder runs as
 	holderGID uint32
 	movedTo   string // the adopting container's cgroup, once the member's processes moved there
-	snapKey   string // the tidepool snapshotter's key of its rootfs
-	env       []string
-	container containerd.Container
-	task      containerd.Task
-	exited    <-chan containerd.ExitStatus // waited on from creation, off the claim path
+	// runcPaused: the task is paused through containerd (runc), not only its freezer
+	// cgroup frozen by us (freezeMember), so containerd must resume it.
+	runcPaused bool
+	snapKey    string // the tidepool snapshotter's key of its rootfs
+	env        []string
+	container  containerd.Container
+	task       containerd.Task
+	exited     <-chan containerd.ExitStatus // waited on from creation, off the claim path
 }
 
 // Pool is one template's members.
@@ -286,7 +289,7 @@ func (p *Pool) create(ctx context.Context) (_ *Member, retErr error) {
 	if err := holder.WaitReady(m.dir, 30*time.Second); err != nil {
 		return nil, err
 	}
-	if err := task.Pause(ctx); err != nil {
+	if err := freezeMember(ctx, m); err != nil {
 		return nil, fmt.Errorf("freeze member: %w", err)
 	}
 	return m, nil
@@ -380,11 +383,15 @@ func (m *Member) pause(ctx context.Context) error {
 			return err
 		}
 	}
-	return m.task.Pause(ctx)
+	if err := m.task.Pause(ctx); err != nil {
+		return err
+	}
+	m.runcPaused = true
+	return nil
 }
 
 func (m *Member) resume(ctx context.Context) error {
-	if err := m.task.Resume(ctx); err != nil {
+	if err := thawMember(ctx, m); err != nil {
 		return err
 	}
 	if m.movedTo != "" {
@@ -400,6 +407,9 @@ func (p *Pool) destroy(ctx context.Context, m *Member) {
 	ctx = context.WithoutCancel(ctx)
 	if m.task != nil {
 		killAndDelete(ctx, m.task, func() {
+			if m.cgroup != "" && !m.runcPaused {
+				p.c.cgroups.Thaw(m.cgroup) // frozen by freezeMember: containerd's resume cannot thaw it
+			}
 			if m.movedTo != "" {
 				// A frozen cgroup holds the signal until it thaws.
 				p.c.cgroups.Signal(m.movedTo, syscall.SIGKILL)

@@ -15,6 +15,7 @@ import (
 	containerd "github.com/containerd/containerd/v2/client"
 	"github.com/containerd/errdefs"
 	"github.com/containerd/log"
+	"github.com/moby/sys/mountinfo"
 
 	"github.com/tidepool-dev/tidepool/casstore"
 	"github.com/tidepool-dev/tidepool/pool/holder"
@@ -38,6 +39,28 @@ type RunIO struct {
 	Signals        <-chan syscall.Signal
 	// Started, if set, is called once the workload runs, with the member's id.
 	Started func(member string)
+	// Finished, if set, is called with the result once the workload has exited and
+	// its changes are committed, before the member is torn down and the pool refilled:
+	// the caller delivers the result first, so teardown stays off its critical path.
+	Finished func(RunResult)
+}
+
+// Step is one timed stage of a run, for callers that report where the time went.
+type Step struct {
+	Name     string
+	Duration time.Duration
+}
+
+// steps times consecutive stages: each mark closes the stage begun at the previous.
+type steps struct {
+	last time.Time
+	list []Step
+}
+
+func (s *steps) mark(name string) {
+	now := time.Now()
+	s.list = append(s.list, Step{Name: name, Duration: now.Sub(s.last)})
+	s.last = now
 }
 
 // RunResult is how the workload ended and where its changes went.
@@ -47,6 +70,10 @@ type RunResult struct {
 	ForkID       string
 	Root         casstore.Hash
 	ClaimLatency time.Duration
+	// Steps are the run's stages in order: ready (pools started), take (an idle
+	// member), bind (the fork into its view), exec (the workload to the holder), resume
+	// (thaw), workload (until it exited), drain (its last output), commit.
+	Steps []Step
 }
 
 // claimAttempts bounds how many tainted members one claim may throw away.
@@ -79,20 +106,22 @@ func (c *Controller) Run(ctx context.Context, spec RunSpec, rio RunIO) (RunResul
 	}
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
+	st := steps{last: time.Now()}
 	if err := c.waitReady(ctx); err != nil {
 		return res, err
 	}
-	start := time.Now()
-	m, err := c.claim(ctx, p, spec)
+	st.mark("ready")
+	start := st.last
+	m, err := c.claim(ctx, p, spec, &st)
 	if err != nil {
 		return res, err
 	}
 	tClaimed := time.Since(start)
-	defer p.release()
 
 	stdio, parent, err := pipes(rio.Stdin != nil)
 	if err != nil {
 		p.destroy(ctx, m)
+		p.release()
 		return res, err
 	}
 	defer closeAll(parent)
@@ -102,10 +131,14 @@ func (c *Controller) Run(ctx context.Context, spec RunSpec, rio RunIO) (RunResul
 	}, stdio)
 	closeAll(stdio)
 	if err == nil {
-		err = m.task.Resume(ctx)
+		st.mark("exec")
+		if err = m.resume(ctx); err == nil {
+			st.mark("resume")
+		}
 	}
 	if err != nil {
 		p.destroy(ctx, m)
+		p.release()
 		return res, fmt.Errorf("run in member %s: %w", m.id, err)
 	}
 	// Only now is there a workload whose status the caller gets; before, an error.
@@ -153,7 +186,9 @@ func (c *Controller) Run(ctx context.Context, spec RunSpec, rio RunIO) (RunResul
 			done = true
 		}
 	}
+	st.mark("workload")
 	copies.Wait()
+	st.mark("drain")
 	res.Status = int(status.ExitCode())
 	bg := context.WithoutCancel(ctx)
 	if !spec.Discard {
@@ -161,24 +196,37 @@ func (c *Controller) Run(ctx context.Context, spec RunSpec, rio RunIO) (RunResul
 		if err != nil {
 			log.G(ctx).WithError(err).WithField("member", m.id).Warn("pools: commit failed; the snapshot commits when containerd removes it")
 		}
+		st.mark("commit")
 	}
-	go p.destroy(bg, m)
+	res.Steps = st.list
+	if rio.Finished != nil {
+		rio.Finished(res)
+	}
+	// Teardown and refill run after the result went out.
+	p.release()
+	c.teardowns.Add(1)
+	go func() {
+		defer c.teardowns.Done()
+		p.destroy(bg, m)
+	}()
 	return res, err
 }
 
 // claim takes an idle member and binds the fork to its view. A member whose workdir
 // was looked up before binding is discarded and another taken.
-func (c *Controller) claim(ctx context.Context, p *Pool, spec RunSpec) (*Member, error) {
+func (c *Controller) claim(ctx context.Context, p *Pool, spec RunSpec, st *steps) (*Member, error) {
 	for attempt := 0; ; attempt++ {
 		m, err := p.take(ctx)
 		if err != nil {
 			return nil, err
 		}
+		st.mark("take")
 		if spec.Fork == "" {
 			return m, nil
 		}
 		_, err = c.sn.Bind(ctx, snapshotter.BindRequest{Key: m.snapKey, Fork: spec.Fork, Discard: spec.Discard})
 		if err == nil {
+			st.mark("bind")
 			return m, nil
 		}
 		p.release()
@@ -247,4 +295,72 @@ func mergeEnv(base, over []string) []string {
 		}
 	}
 	return out
+}
+
+// freezeMember freezes an idle member by its freezer cgroup, leaving the task
+// running as far as containerd knows, so that a claim thaws it with one write
+// (thawMember) and the shim handles its exit as a running task's: pausing and resuming
+// through containerd would each cost a round trip to the shim and an exec of runc on
+// the claim's path (the resume; and, for a task that ends while containerd calls it
+// paused, another resume before the exit is reported). Members without a cgroup path
+// are paused through containerd.
+func freezeMember(ctx context.Context, m *Member) error {
+	if m.cgroup != "" {
+		err := m.pool.c.cgroups.Freeze(m.cgroup)
+		if err == nil {
+			return nil
+		}
+		log.G(ctx).WithError(err).WithField("member", m.id).Debug("pools: freezing the member's cgroup failed; pausing through containerd")
+	}
+	if err := m.task.Pause(ctx); err != nil {
+		return err
+	}
+	m.runcPaused = true
+	return nil
+}
+
+// thawMember starts a claimed member's processes: by thawing its freezer cgroup
+// directly when freezeMember froze it (one write, on cgroup v1 synchronous), else
+// through containerd.
+func thawMember(ctx context.Context, m *Member) error {
+	if m.runcPaused || m.cgroup == "" {
+		if err := m.task.Resume(ctx); err != nil {
+			return err
+		}
+		m.runcPaused = false
+		return nil
+	}
+	if dir := freezerDir(); dir != "" {
+		state := filepath.Join(dir, filepath.Clean("/"+m.cgroup), "freezer.state")
+		if err := os.WriteFile(state, []byte("THAWED"), 0); err == nil {
+			return nil
+		}
+	}
+	return m.pool.c.cgroups.Thaw(m.cgroup)
+}
+
+var (
+	freezerOnce  sync.Once
+	freezerMount string
+)
+
+// freezerDir is where the cgroup v1 freezer hierarchy is mounted, or "".
+func freezerDir() string {
+	freezerOnce.Do(func() {
+		mounts, err := mountinfo.GetMounts(func(i *mountinfo.Info) (skip, stop bool) {
+			if i.FSType != "cgroup" {
+				return true, false
+			}
+			for _, o := range strings.Split(i.VFSOptions, ",") {
+				if o == "freezer" {
+					return false, true
+				}
+			}
+			return true, false
+		})
+		if err == nil && len(mounts) > 0 {
+			freezerMount = mounts[0].Mountpoint
+		}
+	})
+	return freezerMount
 }

@@ -151,23 +151,32 @@ type daemonState struct {
 	APIAddress string `json:"api_address"`
 }
 
+// daemonAddress is the API socket of the tidepoold that owns this root: --api-address,
+// or the one its state file records while it runs; "" when none runs.
+func (a *app) daemonAddress() string {
+	if a.apiAddress != "" {
+		return a.apiAddress
+	}
+	b, err := os.ReadFile(filepath.Join(a.root, "tidepoold.json"))
+	if err != nil {
+		return ""
+	}
+	var st daemonState
+	if err := json.Unmarshal(b, &st); err != nil || st.APIAddress == "" {
+		return ""
+	}
+	if st.PID > 0 && syscall.Kill(st.PID, 0) == syscall.ESRCH {
+		return "" // a daemon that died without cleaning up
+	}
+	return st.APIAddress
+}
+
 // dialDaemon connects to the tidepoold that owns this root, if one runs. It returns
 // nil (and no error) when none does.
 func (a *app) dialDaemon(ctx context.Context) (*localapi.Client, error) {
-	addr := a.apiAddress
+	addr := a.daemonAddress()
 	if addr == "" {
-		b, err := os.ReadFile(filepath.Join(a.root, "tidepoold.json"))
-		if err != nil {
-			return nil, nil
-		}
-		var st daemonState
-		if err := json.Unmarshal(b, &st); err != nil || st.APIAddress == "" {
-			return nil, nil
-		}
-		if st.PID > 0 && syscall.Kill(st.PID, 0) == syscall.ESRCH {
-			return nil, nil // a daemon that died without cleaning up
-		}
-		addr = st.APIAddress
+		return nil, nil
 	}
 	c, err := localapi.Dial(ctx, addr, 3*time.Second)
 	if err != nil {
@@ -181,17 +190,19 @@ func (a *app) dialDaemon(ctx context.Context) (*localapi.Client, error) {
 }
 
 // daemon returns a client of the tidepoold owning this root; commands that only a
-// daemon can serve (pools) use it.
+// daemon can serve (pools) use it. With nothing to fall back to, it makes no round
+// trip: the command's first call connects, and says so if no daemon answers.
 func (a *app) daemon(ctx context.Context) (*localapi.Client, error) {
 	if a.api != nil {
 		return a.api, nil
 	}
-	c, err := a.dialDaemon(ctx)
+	addr := a.daemonAddress()
+	if addr == "" {
+		return nil, fmt.Errorf("no tidepoold runs for root %s (or pass --api-address)", a.root)
+	}
+	c, err := localapi.Connect(addr)
 	if err != nil {
 		return nil, err
-	}
-	if c == nil {
-		return nil, fmt.Errorf("no tidepoold runs for root %s (or pass --api-address)", a.root)
 	}
 	a.api = c
 	a.closers = append(a.closers, c.Close)

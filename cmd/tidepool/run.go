@@ -5,7 +5,10 @@ import (
 	"fmt"
 	"os"
 	"os/signal"
+	"strconv"
+	"strings"
 	"syscall"
+	"time"
 
 	"github.com/spf13/cobra"
 
@@ -24,7 +27,7 @@ func newRunCommand(a *app) *cobra.Command {
 	var (
 		poolName, fork, workdir string
 		env                     []string
-		discard, quiet          bool
+		discard, quiet, timings bool
 	)
 	cmd := &cobra.Command{
 		Use:   "run --pool NAME [--fork ROOT|FORK] [--env K=V]... [--workdir P] -- CMD [ARGS...]",
@@ -39,6 +42,7 @@ root (a bare root gets a new fork), reported on stderr.`,
 			if poolName == "" {
 				return errors.New("--pool is required")
 			}
+			tDial := time.Now()
 			client, err := a.daemon(cmd.Context())
 			if err != nil {
 				return err
@@ -50,11 +54,19 @@ root (a bare root gets a new fork), reported on stderr.`,
 			if st, err := os.Stdin.Stat(); err == nil && st.Mode()&os.ModeCharDevice == 0 {
 				streams.Stdin = os.Stdin // a pipe or file: forward it; a terminal is not read
 			}
+			var server []localapi.Step
+			if timings {
+				streams.Steps = func(s []localapi.Step) { server = s }
+			}
+			tRun := time.Now()
 			exit, err := client.Run(cmd.Context(), &apiv1.RunStart{
 				Pool: poolName, Fork: fork, Env: env, Workdir: workdir, Args: args, Discard: discard,
 			}, streams)
 			if err != nil {
 				return err
+			}
+			if timings {
+				printTimings(tDial, tRun, time.Now(), server)
 			}
 			if !quiet && exit.GetForkId() != "" {
 				fmt.Fprintf(os.Stderr, "tidepool: fork %s at %s (member %s, claimed in %.1f ms)\n", exit.GetForkId(), exit.GetRoot(), exit.GetMember(), exit.GetClaimMs())
@@ -72,7 +84,30 @@ root (a bare root gets a new fork), reported on stderr.`,
 	f.StringVar(&workdir, "workdir", "", "the command's working directory (default: the pool's workdir)")
 	f.BoolVar(&discard, "discard", false, "do not commit the command's changes to the fork")
 	f.BoolVarP(&quiet, "quiet", "q", false, "do not report the fork's new root on stderr")
+	f.BoolVar(&timings, "timings", false, "report on stderr where the time went: this process's steps and tidepoold's")
 	return cmd
+}
+
+// mainStarted is when this package was initialized: after every imported package's
+// init (GODEBUG=inittrace=1 shows those), just before main.
+var mainStarted = time.Now()
+
+// printTimings reports a run's steps on stderr, in milliseconds: this process's
+// (from main to the dial, the dial, the call) and, within the call, tidepoold's.
+func printTimings(tDial, tRun, tDone time.Time, server []localapi.Step) {
+	ms := func(d time.Duration) string { return strconv.FormatFloat(float64(d.Microseconds())/1000, 'f', 1, 64) }
+	var b strings.Builder
+	fmt.Fprintf(&b, "tidepool: timings (ms): main %s, dial %s, run %s [", ms(tDial.Sub(mainStarted)), ms(tRun.Sub(tDial)), ms(tDone.Sub(tRun)))
+	var sum time.Duration
+	for i, st := range server {
+		if i > 0 {
+			b.WriteString(", ")
+		}
+		sum += st.Duration
+		fmt.Fprintf(&b, "%s %s", st.Name, ms(st.Duration))
+	}
+	fmt.Fprintf(&b, "; transport %s]\n", ms(tDone.Sub(tRun)-sum))
+	os.Stderr.WriteString(b.String())
 }
 
 func newPoolsCommand(a *app) *cobra.Command {

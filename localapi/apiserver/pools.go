@@ -12,6 +12,7 @@ import (
 	"github.com/containerd/errdefs"
 	"github.com/containerd/errdefs/pkg/errgrpc"
 	specs "github.com/opencontainers/runtime-spec/specs-go"
+	"google.golang.org/grpc/metadata"
 	"google.golang.org/protobuf/types/known/emptypb"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
@@ -91,7 +92,27 @@ func (s poolsServer) Run(stream apiv1.Pools_RunServer) error {
 			}
 		}
 	}()
-	var mu sync.Mutex
+	var (
+		mu   sync.Mutex
+		sent bool
+	)
+	send := func(res pool.RunResult) error {
+		exit := &apiv1.RunExit{Status: int32(res.Status), Member: res.Member, ForkId: res.ForkID,
+			ClaimMs: float64(res.ClaimLatency.Microseconds()) / 1000}
+		if !res.Root.IsZero() {
+			exit.Root = res.Root.String()
+		}
+		steps := make([]localapi.Step, len(res.Steps))
+		for i, st := range res.Steps {
+			steps[i] = localapi.Step{Name: st.Name, Duration: st.Duration}
+		}
+		stream.SetTrailer(metadata.Pairs(localapi.RunStepsTrailer, localapi.FormatSteps(steps)))
+		mu.Lock()
+		defer mu.Unlock()
+		sent = true
+		return stream.Send(&apiv1.RunResponse{Msg: &apiv1.RunResponse_Exit{Exit: exit}})
+	}
+	var sendErr error
 	res, err := s.Pools.Run(ctx, pool.RunSpec{
 		Pool: start.GetPool(), Fork: start.GetFork(), Env: start.GetEnv(), Workdir: start.GetWorkdir(),
 		Args: start.GetArgs(), Discard: start.GetDiscard(),
@@ -103,18 +124,16 @@ func (s poolsServer) Run(stream apiv1.Pools_RunServer) error {
 			defer mu.Unlock()
 			stream.Send(&apiv1.RunResponse{Msg: &apiv1.RunResponse_Started{Started: member}})
 		},
+		// The exit goes out before the member is torn down.
+		Finished: func(res pool.RunResult) { sendErr = send(res) },
 	})
 	if err != nil && res.Member == "" {
 		return errgrpc.ToGRPC(err)
 	}
-	exit := &apiv1.RunExit{Status: int32(res.Status), Member: res.Member, ForkId: res.ForkID,
-		ClaimMs: float64(res.ClaimLatency.Microseconds()) / 1000}
-	if !res.Root.IsZero() {
-		exit.Root = res.Root.String()
+	if sent {
+		return sendErr
 	}
-	mu.Lock()
-	defer mu.Unlock()
-	return stream.Send(&apiv1.RunResponse{Msg: &apiv1.RunResponse_Exit{Exit: exit}})
+	return send(res)
 }
 
 func (s poolsServer) List(context.Context, *apiv1.ListPoolsRequest) (*apiv1.ListPoolsResponse, error) {
