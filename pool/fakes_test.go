@@ -227,15 +227,21 @@ func testController(t *testing.T, tmpl Template) (*Controller, *fakeSnapshots, *
 
 var memberSeq int
 
-// addMember puts an idle member made from spec into the pool, its snapshot a child
-// of parent.
+// addMember puts an idle member made from spec into the pool's first member set
+// (namespace "default"), its snapshot a child of parent.
 func addMember(t *testing.T, c *Controller, sn *fakeSnapshots, spec *specs.Spec, parent string, created time.Time) *Member {
 	t.Helper()
+	return addMemberTo(t, c.pools["node"][0], sn, spec, parent, created)
+}
+
+// addMemberTo puts an idle member into one member set; its snapshot is keyed as
+// containerd's metadata store keys snapshots in a snapshotter ("<ns>/<id>/<name>").
+func addMemberTo(t *testing.T, p *Pool, sn *fakeSnapshots, spec *specs.Spec, parent string, created time.Time) *Member {
+	t.Helper()
 	memberSeq++
-	p := c.pools["node"]
-	id := fmt.Sprintf("node-%d", memberSeq)
+	id := fmt.Sprintf("%snode-%d", MemberIDPrefix, memberSeq)
 	m := &Member{
-		id: id, pool: p, created: created, dir: filepath.Join(c.cfg.StateDir, id), snapKey: id + "-key",
+		id: id, pool: p, created: created, dir: filepath.Join(p.c.cfg.StateDir, id), snapKey: fmt.Sprintf("%s/%d/%s", p.ns, memberSeq, id),
 		container: &fakeContainer{id: id, spec: spec}, task: newFakeTask(uint32(1000 + memberSeq)),
 	}
 	m.exited = m.task.(*fakeTask).exitCh

@@ -16,8 +16,8 @@ func newMetrics() *Metrics {
 	return &Metrics{
 		members: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Namespace: "tidepool", Subsystem: "pool", Name: "members",
-			Help: "Pool members by state (idle, claimed, starting).",
-		}, []string{"pool", "state"}),
+			Help: "Pool members by containerd namespace and state (idle, claimed, starting).",
+		}, []string{"pool", "namespace", "state"}),
 		claimSeconds: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Namespace: "tidepool", Subsystem: "pool", Name: "claim_seconds",
 			Help:    "Time from a claim to its workload being started in a member.",
@@ -38,8 +38,8 @@ func newMetrics() *Metrics {
 		}, []string{"pool"}),
 		oldestIdle: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Namespace: "tidepool", Subsystem: "pool", Name: "oldest_idle_member_age_seconds",
-			Help: "Age of the oldest idle member.",
-		}, []string{"pool"}),
+			Help: "Age of the oldest idle member, by containerd namespace.",
+		}, []string{"pool", "namespace"}),
 	}
 }
 
