@@ -208,6 +208,7 @@ func (c *Controller) Adopt(ctx context.Context, req AdoptRequest) (Adoption, err
 	c.adoptions[m.id] = ad
 	c.mu.Unlock()
 	go m.container.SetLabels(context.WithoutCancel(ctx), map[string]string{LabelState: stateClaimed, LabelAdoptedBy: req.ContainerID, LabelCgroup: m.movedTo})
+	c.metrics.adoptions.WithLabelValues(p.t.Name, p.ns).Inc()
 	log.G(ctx).WithField("member", m.id).WithField("container", req.ContainerID).Debug("pools: container adopted a warm member")
 	return a, nil
 }

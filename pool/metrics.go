@@ -7,6 +7,7 @@ type Metrics struct {
 	members       *prometheus.GaugeVec
 	claimSeconds  *prometheus.HistogramVec
 	coldFallbacks *prometheus.CounterVec
+	adoptions     *prometheus.CounterVec
 	discarded     *prometheus.CounterVec
 	ageAtClaim    *prometheus.HistogramVec
 	oldestIdle    *prometheus.GaugeVec
@@ -27,6 +28,10 @@ func newMetrics() *Metrics {
 			Namespace: "tidepool", Subsystem: "pool", Name: "cold_fallbacks_total",
 			Help: "Containers that asked for a pool but were started cold, by reason.",
 		}, []string{"pool", "reason"}),
+		adoptions: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: "tidepool", Subsystem: "pool", Name: "adoptions_total",
+			Help: "Containers that asked for a pool and adopted a warm member, by containerd namespace.",
+		}, []string{"pool", "namespace"}),
 		discarded: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: "tidepool", Subsystem: "pool", Name: "discarded_total",
 			Help: "Members destroyed without running a workload, by reason.",
@@ -44,7 +49,7 @@ func newMetrics() *Metrics {
 }
 
 func (m *Metrics) collectors() []prometheus.Collector {
-	return []prometheus.Collector{m.members, m.claimSeconds, m.coldFallbacks, m.discarded, m.ageAtClaim, m.oldestIdle}
+	return []prometheus.Collector{m.members, m.claimSeconds, m.coldFallbacks, m.adoptions, m.discarded, m.ageAtClaim, m.oldestIdle}
 }
 
 // Describe implements prometheus.Collector.

@@ -97,6 +97,9 @@ func TestAdoptInContainerNamespace(t *testing.T) {
 	if err != nil || a.ColdReason != "no_idle_member" {
 		t.Fatalf("second k8s.io container: %+v, %v", a, err)
 	}
+	if n := testutil.ToFloat64(c.metrics.adoptions.WithLabelValues("node", "k8s.io")); n != 1 {
+		t.Fatalf("adoptions in k8s.io: %v", n)
+	}
 	if want := [][2]string{{k8sKey, "k8s.io/50/c1"}, {defKey, "default/50/c2"}}; !reflect.DeepEqual(sn.rekeyed, want) {
 		t.Fatalf("re-keyed %v, want %v", sn.rekeyed, want)
 	}
