@@ -310,6 +310,7 @@ func (p *Pool) takeIdle() *Member {
 	m := p.idle[0]
 	p.idle = p.idle[1:]
 	p.claimed++
+	p.c.claims.took()
 	return m
 }
 

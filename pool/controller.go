@@ -84,6 +84,8 @@ type Controller struct {
 	// pools holds each template's member sets, one per namespace it serves, in
 	// the order configured.
 	pools map[string][]*Pool
+	// claims is when claims last took members: background work yields to them.
+	claims claimActivity
 
 	mu        sync.Mutex
 	client    *containerd.Client
@@ -142,6 +144,19 @@ func (c *Controller) Metrics() *Metrics { return c.metrics }
 func (c *Controller) Start(ctx context.Context) {
 	if len(c.pools) == 0 {
 		close(c.ready)
+		if ents, _ := os.ReadDir(c.cfg.StateDir); len(ents) == 0 {
+			return
+		}
+		// Every pool was removed from the configuration, but members of an earlier
+		// tidepoold are left (their control directories say so): drain them.
+		ctx, c.cancel = context.WithCancel(context.WithoutCancel(ctx))
+		c.wg.Add(1)
+		go func() {
+			defer c.wg.Done()
+			if err := c.connect(ctx); err == nil {
+				c.reconcile(ctx)
+			}
+		}()
 		return
 	}
 	ctx, c.cancel = context.WithCancel(context.WithoutCancel(ctx))
@@ -302,9 +317,13 @@ func (c *Controller) reconcile(ctx context.Context) {
 		return
 	}
 	known := map[string]bool{}
+	// Destroying a member takes a few container operations; a daemon that left many
+	// (a pool of 50 removed from the configuration) is drained a few at a time.
+	d := &destroyer{c: c, slots: make(chan struct{}, reconcileParallel)}
 	for _, ns := range nss {
-		c.reconcileNamespace(namespaces.WithNamespace(ctx, ns), ns, known)
+		c.reconcileNamespace(namespaces.WithNamespace(ctx, ns), ns, known, d)
 	}
+	d.wg.Wait()
 	ents, _ := os.ReadDir(c.cfg.StateDir)
 	for _, e := range ents {
 		if !known[e.Name()] {
@@ -318,7 +337,29 @@ func (c *Controller) reconcile(ctx context.Context) {
 	}
 }
 
-func (c *Controller) reconcileNamespace(ctx context.Context, ns string, known map[string]bool) {
+// reconcileParallel is how many leftover members reconcile destroys at once.
+const reconcileParallel = 4
+
+// destroyer destroys containers in the background, a few at a time.
+type destroyer struct {
+	c     *Controller
+	slots chan struct{}
+	wg    sync.WaitGroup
+}
+
+func (d *destroyer) destroy(ctx context.Context, ctr containerd.Container) {
+	d.wg.Add(1)
+	d.slots <- struct{}{}
+	go func() {
+		defer func() {
+			<-d.slots
+			d.wg.Done()
+		}()
+		d.c.destroyContainer(ctx, ctr)
+	}()
+}
+
+func (c *Controller) reconcileNamespace(ctx context.Context, ns string, known map[string]bool, d *destroyer) {
 	list, err := c.containerd().Containers(ctx, fmt.Sprintf("labels.%q", LabelMember))
 	if err != nil {
 		log.G(ctx).WithError(err).WithField("namespace", ns).Warn("pools: cannot list members to reconcile")
@@ -334,7 +375,7 @@ func (c *Controller) reconcileNamespace(ctx context.Context, ns string, known ma
 		p := inNamespace(c.pools[labels[LabelPool]], ns)
 		if p == nil {
 			logger.Info("pools: destroying a member of a pool that no longer serves its namespace")
-			c.destroyContainer(ctx, ctr)
+			d.destroy(ctx, ctr)
 			continue
 		}
 		if by := labels[LabelAdoptedBy]; by != "" {
@@ -360,7 +401,7 @@ func (c *Controller) reconcileNamespace(ctx context.Context, ns string, known ma
 		if err != nil {
 			logger.WithError(err).Info("pools: destroying a member left by the previous tidepoold")
 			c.metrics.discarded.WithLabelValues(p.t.Name, "daemon_restart").Inc()
-			c.destroyContainer(ctx, ctr)
+			d.destroy(ctx, ctr)
 			continue
 		}
 		logger.Info("pools: a claimed member outlived its client; committing when its workload exits")

@@ -123,3 +123,12 @@ func TestListSumsNamespaces(t *testing.T) {
 		t.Fatalf("explicit claims take from %v, %v; want k8s.io (2 idle)", p, err)
 	}
 }
+
+// TestTemplateRefusesKataFC: a kata-fc pool is refused at start, naming the runtime
+// and the plan, rather than failing member after member.
+func TestTemplateRefusesKataFC(t *testing.T) {
+	tm := Template{Name: "vm", Image: "x", Runtime: "kata-fc"}
+	if err := tm.Validate(); err == nil || !strings.Contains(err.Error(), `runtime "kata-fc"`) || !strings.Contains(err.Error(), "pools.md") {
+		t.Fatalf("kata-fc template: %v", err)
+	}
+}

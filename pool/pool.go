@@ -53,6 +53,7 @@ type Pool struct {
 	idle     []*Member // oldest first
 	claimed  int
 	starting int
+	waiting  int // claims waiting for a member of this set
 	changed  chan struct{} // signalled when members come or go
 	lastFill time.Time
 	retryAt  time.Time     // no new member before this, after a failure
@@ -106,6 +107,11 @@ func (p *Pool) maintain(ctx context.Context) {
 				case <-time.After(wait):
 				}
 			}
+			// Claims first: a member started now would compete with them.
+			p.c.claims.yield(ctx, p.urgent)
+			if ctx.Err() != nil {
+				return
+			}
 			p.mu.Lock()
 			p.starting++
 			p.lastFill = time.Now()
@@ -120,6 +126,14 @@ func (p *Pool) maintain(ctx context.Context) {
 		case <-tick.C:
 		}
 	}
+}
+
+// urgent reports whether a new member must start whatever claims are doing: a claim
+// waits for one, or the pool is below its minimum.
+func (p *Pool) urgent() bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.waiting > 0 || len(p.idle)+p.starting < p.t.Min
 }
 
 // needMember reports whether one more member should start now: below target, with at
@@ -172,6 +186,14 @@ func (p *Pool) recycle(ctx context.Context) {
 // take removes the oldest idle member, waiting (and asking for a refill) while the
 // pool is empty.
 func (p *Pool) take(ctx context.Context) (*Member, error) {
+	waiting := false
+	defer func() {
+		if waiting {
+			p.mu.Lock()
+			p.waiting--
+			p.mu.Unlock()
+		}
+	}()
 	for {
 		p.mu.Lock()
 		if len(p.idle) > 0 {
@@ -179,8 +201,13 @@ func (p *Pool) take(ctx context.Context) (*Member, error) {
 			p.idle = p.idle[1:]
 			p.claimed++
 			p.mu.Unlock()
+			p.c.claims.took()
 			p.poke()
 			return m, nil
+		}
+		if !waiting {
+			waiting = true
+			p.waiting++
 		}
 		p.mu.Unlock()
 		p.poke()
@@ -410,6 +437,8 @@ func (m *Member) resume(ctx context.Context) error {
 // and control directory.
 func (p *Pool) destroy(ctx context.Context, m *Member) {
 	ctx = p.nsContext(context.WithoutCancel(ctx))
+	// Teardown is background work: let the claims under way finish first.
+	p.c.claims.yield(ctx, nil)
 	if m.task != nil {
 		killAndDelete(ctx, m.task, func() {
 			if m.movedTo != "" {
