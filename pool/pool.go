@@ -53,7 +53,7 @@ type Pool struct {
 	idle     []*Member // oldest first
 	claimed  int
 	starting int
-	waiting  int // claims waiting for a member of this set
+	waiting  int           // claims waiting for a member of this set
 	changed  chan struct{} // signalled when members come or go
 	lastFill time.Time
 	retryAt  time.Time     // no new member before this, after a failure
