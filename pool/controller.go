@@ -20,6 +20,7 @@ import (
 	"github.com/containerd/log"
 
 	"github.com/tidepool-dev/tidepool/casstore"
+	"github.com/tidepool-dev/tidepool/pool/holder"
 	"github.com/tidepool-dev/tidepool/snapshotter"
 )
 
@@ -113,6 +114,11 @@ func NewController(cfg Config, sn Snapshots) (*Controller, error) {
 		}
 		if _, dup := c.pools[t.Name]; dup {
 			return nil, fmt.Errorf("pool %q is configured twice", t.Name)
+		}
+		// The holder listens on STATEDIR/<member id>/ctl.sock, and a unix socket's
+		// path has room for 107 bytes.
+		if sock := filepath.Join(cfg.StateDir, newMemberID(t.Name), holder.ControlName); len(sock) > maxSocketPath {
+			return nil, fmt.Errorf("pool %q: member control sockets would be %d bytes long (%s), over the %d a unix socket allows: shorten the pool's name or tidepoold's root", t.Name, len(sock), sock, maxSocketPath)
 		}
 		for _, ns := range t.Namespaces {
 			c.pools[t.Name] = append(c.pools[t.Name], newPool(c, t, ns))
@@ -336,6 +342,10 @@ func (c *Controller) reconcile(ctx context.Context) {
 		}
 	}
 }
+
+// maxSocketPath is the longest path a unix socket address holds (sun_path, less
+// its terminating NUL).
+const maxSocketPath = 107
 
 // reconcileParallel is how many leftover members reconcile destroys at once.
 const reconcileParallel = 4

@@ -132,3 +132,21 @@ func TestTemplateRefusesKataFC(t *testing.T) {
 		t.Fatalf("kata-fc template: %v", err)
 	}
 }
+
+// TestControlSocketFits: a root and pool name whose member control sockets would not
+// fit a unix socket address are refused at start, naming the pool.
+func TestControlSocketFits(t *testing.T) {
+	dir := t.TempDir()
+	holderBin := filepath.Join(dir, "holder")
+	if err := os.WriteFile(holderBin, nil, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	long := filepath.Join(dir, strings.Repeat("r", 60), "pools")
+	_, err := NewController(Config{StateDir: long, Holder: holderBin, Templates: []Template{{Name: strings.Repeat("n", 32), Image: "x"}}}, &fakeSnapshots{})
+	if err == nil || !strings.Contains(err.Error(), "unix socket") || !strings.Contains(err.Error(), strings.Repeat("n", 32)) {
+		t.Fatalf("long control socket paths: %v", err)
+	}
+	if _, err := NewController(Config{StateDir: filepath.Join(dir, "pools"), Holder: holderBin, Templates: []Template{{Name: "node", Image: "x"}}}, &fakeSnapshots{}); err != nil {
+		t.Fatal(err)
+	}
+}

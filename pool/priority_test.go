@@ -39,8 +39,8 @@ func TestRefillWaitsForClaims(t *testing.T) {
 		idle  int
 		early bool // the refill may start before claims are quiet
 	}{
-		{"members left: refill yields", 2, false},
-		{"pool empty, claim waiting: refill at once", 0, true},
+		{"yields", 2, false}, // members left: the refill waits for claims to be quiet
+		{"urgent", 0, true},  // the pool is empty and a claim waits: refill at once
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			c, sn, _ := testController(t, Template{Target: 3, RefillRate: 1000})
