@@ -190,10 +190,6 @@ func TestPoolBurst(t *testing.T) {
 		t.Fatalf("%v warm claims recorded, want %d", n, burstSize)
 	}
 
-	if os.Getenv("TIDEPOOL_BURST_LOG") != "" {
-		b, _ := os.ReadFile(filepath.Join(s.Dir, "tidepoold.log"))
-		os.WriteFile(os.Getenv("TIDEPOOL_BURST_LOG"), b, 0o644)
-	}
 	waitPool(t, s, "node", burstSize)
 	waitFor(t, "only the members left after the refill", func() string { return checkOnlyMembers(t, s, burstSize) })
 	drainPools(t, s)
