@@ -70,16 +70,20 @@ type MaintenanceConfig struct {
 
 // PoolsConfig configures warm pools of pre-created, frozen members.
 type PoolsConfig struct {
-	Namespace  string         `toml:"namespace" comment:"containerd namespace of the members (visible with ctr -n)."`
+	Namespaces []string `toml:"namespaces" comment:"containerd namespaces the pools serve, for templates that name none. A container adopts a member\n(dev.tidepool.pool) only in its own namespace, where the member was unpacked from the same image, so list\nthe namespaces your containers are created in: 'default' for ctr and nerdctl, add 'k8s.io' for CRI. Each\nnamespace keeps min/target/max members of its own, needs the image present, and shows the members in\n'ctr -n NS c ls' (ids 'tidepool-POOL-...', labelled dev.tidepool.pool and dev.tidepool.member)."`
+	// Namespace is the key namespaces replaced: when set, it overrides Namespaces
+	// (one namespace) and tidepoold logs that it is deprecated.
+	Namespace  string         `toml:"namespace,omitempty" comment:"deprecated: one namespace for every pool; overrides namespaces. Write namespaces = ['...'] instead."`
 	Holder     string         `toml:"holder" comment:"tidepool-holder binary (pid 1 of members); empty: beside tidepoold."`
 	ShimConfig string         `toml:"shim_config" comment:"tidepool shim config given to members' tasks; empty: the shim's default."`
-	Templates  []PoolTemplate `toml:"template" comment:"One [[pools.template]] per pool, e.g.\n  [[pools.template]]\n  name = 'node'\n  image = 'registry.example/agent-node:latest'\n  runtime = 'runc'\n  workdir = '/app'\n  owner = '1000:1000'\n  cpus = 1.0\n  memory_mb = 1024\n  min = 1\n  target = 4\n  max = 8\n  refill_rate = 5.0\n  max_age = '1h0m0s'"`
+	Templates  []PoolTemplate `toml:"template" comment:"One [[pools.template]] per pool, e.g.\n  [[pools.template]]\n  name = 'node'\n  image = 'registry.example/agent-node:latest'\n  namespaces = ['default', 'k8s.io']\n  runtime = 'runc'\n  workdir = '/app'\n  owner = '1000:1000'\n  cpus = 1.0\n  memory_mb = 1024\n  min = 1\n  target = 4\n  max = 8\n  refill_rate = 5.0\n  max_age = '1h0m0s'"`
 }
 
 // PoolTemplate is one pool (see pool.Template).
 type PoolTemplate struct {
 	Name       string   `toml:"name" comment:"pool name, used by tidepool run --pool and the dev.tidepool.pool annotation"`
-	Image      string   `toml:"image" comment:"image reference, present in the namespace"`
+	Image      string   `toml:"image" comment:"image reference, present in every namespace the pool serves"`
+	Namespaces []string `toml:"namespaces,omitempty" comment:"containerd namespaces of the members (default: pools.namespaces)"`
 	Runtime    string   `toml:"runtime" comment:"tidepool shim route: runc (default) or runsc"`
 	Workdir    string   `toml:"workdir" comment:"where claimed forks appear (default /workspace)"`
 	Owner      string   `toml:"owner" comment:"uid:gid of the fork's files (default 0:0)"`
@@ -117,7 +121,7 @@ func DefaultConfig() *Config {
 		Limits:            casstore.DefaultLimits(),
 		ContainerdAddress: "/run/containerd/containerd.sock",
 		Pools: PoolsConfig{
-			Namespace: "tidepool",
+			Namespaces: []string{"default"},
 		},
 		Remote: RemoteConfig{Concurrency: 32},
 	}

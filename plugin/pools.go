@@ -5,33 +5,46 @@ import (
 	"path/filepath"
 	"time"
 
+	"github.com/containerd/log"
+
 	"github.com/tidepool-dev/tidepool/pool"
 )
 
 // newPoolController builds the controller from the configuration; it starts
 // connecting to containerd at once and keeps retrying until it answers.
 func newPoolController(c *Core) (*pool.Controller, error) {
-	pc := c.Config.Pools
+	return pool.NewController(poolConfig(c.Config), c.Snapshotter)
+}
+
+// poolConfig maps the [pools] section onto the controller's configuration.
+func poolConfig(c *Config) pool.Config {
+	pc := c.Pools
 	holder := pc.Holder
 	if holder == "" {
 		if self, err := os.Executable(); err == nil {
 			holder = filepath.Join(filepath.Dir(self), "tidepool-holder")
 		}
 	}
+	namespaces := pc.Namespaces
+	if pc.Namespace != "" {
+		// The old key keeps working: members stay where an existing set-up expects them.
+		namespaces = []string{pc.Namespace}
+		log.L.WithField("component", "pools").Warnf("config: pools.namespace is deprecated and overrides pools.namespaces; write pools.namespaces = [%q] instead", pc.Namespace)
+	}
 	cfg := pool.Config{
-		ContainerdAddress: c.Config.ContainerdAddress,
-		Namespace:         pc.Namespace,
-		StateDir:          filepath.Join(c.Config.Root, "pools"),
+		ContainerdAddress: c.ContainerdAddress,
+		Namespaces:        namespaces,
+		StateDir:          filepath.Join(c.Root, "pools"),
 		Holder:            holder,
 		ShimConfig:        pc.ShimConfig,
 		Snapshotter:       ID,
 	}
 	for _, t := range pc.Templates {
 		cfg.Templates = append(cfg.Templates, pool.Template{
-			Name: t.Name, Image: t.Image, Runtime: t.Runtime, Workdir: t.Workdir, Owner: t.Owner,
+			Name: t.Name, Image: t.Image, Namespaces: t.Namespaces, Runtime: t.Runtime, Workdir: t.Workdir, Owner: t.Owner,
 			CPUs: t.CPUs, Memory: t.MemoryMB << 20, Min: t.Min, Target: t.Target, Max: t.Max,
 			RefillRate: t.RefillRate, MaxAge: time.Duration(t.MaxAge),
 		})
 	}
-	return pool.NewController(cfg, c.Snapshotter)
+	return cfg
 }

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"path/filepath"
+	"strings"
 	"sync"
 	"syscall"
 	"time"
@@ -99,23 +100,33 @@ func (a *adopted) watch() {
 // container's process and stdio and starts it. A container that is not eligible gets
 // a cold reason, which is logged and counted, and is created as usual.
 func (c *Controller) Adopt(ctx context.Context, req AdoptRequest) (Adoption, error) {
-	ctx = c.nsContext(ctx)
-	p, err := c.pool(req.Pool)
+	sets, err := c.sets(req.Pool)
 	if err != nil {
 		return Adoption{}, fmt.Errorf("%s=%q: %w", LabelPool, req.Pool, err)
 	}
 	if err := c.waitReady(ctx); err != nil {
 		return Adoption{}, err
 	}
+	t := sets[0].t
 	cold := func(reason string) (Adoption, error) {
-		c.metrics.coldFallbacks.WithLabelValues(p.t.Name, reason).Inc()
-		log.G(ctx).WithField("pool", p.t.Name).WithField("container", req.ContainerID).WithField("reason", reason).Info("pools: container not eligible for a warm member; starting cold")
+		c.metrics.coldFallbacks.WithLabelValues(t.Name, reason).Inc()
+		log.G(ctx).WithField("pool", t.Name).WithField("container", req.ContainerID).WithField("reason", reason).Info("pools: container not eligible for a warm member; starting cold")
 		return Adoption{ColdReason: reason}, nil
 	}
 	key, err := c.sn.KeyFromMounts(ctx, req.Rootfs)
 	if err != nil {
 		return cold("not_a_tidepool_snapshot")
 	}
+	// The container's namespace picks the member set: its snapshot's parent is the
+	// image as unpacked in that namespace, and only a member made there has the same.
+	ns := snapshotNamespace(key)
+	p := inNamespace(sets, ns)
+	if p == nil {
+		log.G(ctx).WithField("pool", t.Name).WithField("container", req.ContainerID).WithField("namespaces", t.Namespaces).
+			Infof("pools: pool does not serve namespace %q; add it to the pool's namespaces to keep members there", ns)
+		return cold("namespace")
+	}
+	ctx = p.nsContext(ctx)
 	info, err := c.sn.Stat(ctx, key)
 	if err != nil {
 		return Adoption{}, err
@@ -197,6 +208,7 @@ func (c *Controller) Adopt(ctx context.Context, req AdoptRequest) (Adoption, err
 	c.adoptions[m.id] = ad
 	c.mu.Unlock()
 	go m.container.SetLabels(context.WithoutCancel(ctx), map[string]string{LabelState: stateClaimed, LabelAdoptedBy: req.ContainerID, LabelCgroup: m.movedTo})
+	c.metrics.adoptions.WithLabelValues(p.t.Name, p.ns).Inc()
 	log.G(ctx).WithField("member", m.id).WithField("container", req.ContainerID).Debug("pools: container adopted a warm member")
 	return a, nil
 }
@@ -213,11 +225,11 @@ func (c *Controller) adoption(member string) (*adopted, error) {
 
 // StartMember thaws an adopted member whose holder has been handed its workload.
 func (c *Controller) StartMember(ctx context.Context, member string) error {
-	ctx = c.nsContext(ctx)
 	a, err := c.adoption(member)
 	if err != nil {
 		return err
 	}
+	ctx = a.m.pool.nsContext(ctx)
 	start := time.Now()
 	if err := a.m.resume(ctx); err != nil {
 		return fmt.Errorf("start member %s: %w", member, err)
@@ -228,11 +240,11 @@ func (c *Controller) StartMember(ctx context.Context, member string) error {
 
 // SignalMember forwards a signal to an adopted member's workload.
 func (c *Controller) SignalMember(ctx context.Context, member string, sig syscall.Signal, all bool) error {
-	ctx = c.nsContext(ctx)
 	a, err := c.adoption(member)
 	if err != nil {
 		return err
 	}
+	ctx = a.m.pool.nsContext(ctx)
 	if all && a.m.movedTo != "" {
 		// runc would look for them in the member's cgroup, which they left.
 		return c.cgroups.Signal(a.m.movedTo, sig)
@@ -246,11 +258,11 @@ func (c *Controller) SignalMember(ctx context.Context, member string, sig syscal
 
 // PauseMember freezes or thaws an adopted member.
 func (c *Controller) PauseMember(ctx context.Context, member string, pause bool) error {
-	ctx = c.nsContext(ctx)
 	a, err := c.adoption(member)
 	if err != nil {
 		return err
 	}
+	ctx = a.m.pool.nsContext(ctx)
 	if pause {
 		return a.m.pause(ctx)
 	}
@@ -275,11 +287,11 @@ func (c *Controller) WaitMember(ctx context.Context, member string) (containerd.
 // changes are committed when containerd removes the container's snapshot, which after
 // the re-key is the member's data, exactly as for a cold container.
 func (c *Controller) ReleaseMember(ctx context.Context, member string) error {
-	ctx = c.nsContext(ctx)
 	a, err := c.adoption(member)
 	if err != nil {
 		return err
 	}
+	ctx = a.m.pool.nsContext(ctx)
 	c.mu.Lock()
 	delete(c.adoptions, member)
 	c.mu.Unlock()
@@ -298,6 +310,7 @@ func (p *Pool) takeIdle() *Member {
 	m := p.idle[0]
 	p.idle = p.idle[1:]
 	p.claimed++
+	p.c.claims.took()
 	return m
 }
 
@@ -307,4 +320,15 @@ func (p *Pool) giveBack(m *Member) {
 	p.claimed--
 	p.idle = append([]*Member{m}, p.idle...)
 	p.mu.Unlock()
+}
+
+// snapshotNamespace is the containerd namespace of a snapshot, from its key in the
+// tidepool snapshotter: containerd's metadata store names the snapshots it creates
+// in a snapshotter "<namespace>/<id>/<key>" (core/metadata/snapshot.go createKey).
+func snapshotNamespace(key string) string {
+	ns, _, ok := strings.Cut(key, "/")
+	if !ok {
+		return ""
+	}
+	return ns
 }

@@ -20,6 +20,7 @@ import (
 	"github.com/containerd/log"
 
 	"github.com/tidepool-dev/tidepool/casstore"
+	"github.com/tidepool-dev/tidepool/pool/holder"
 	"github.com/tidepool-dev/tidepool/snapshotter"
 )
 
@@ -31,6 +32,10 @@ const (
 	LabelCreated = "dev.tidepool.member-created"
 )
 
+// MemberIDPrefix starts every member's container id ("tidepool-node-3f9a0c12be47"),
+// so that `ctr c ls` in a namespace a pool serves tells members from other containers.
+const MemberIDPrefix = "tidepool-"
+
 // Member states, as recorded in LabelState.
 const (
 	stateIdle    = "idle"
@@ -39,9 +44,11 @@ const (
 
 // Config configures the controller.
 type Config struct {
-	// ContainerdAddress and Namespace locate the containerd the members live in.
+	// ContainerdAddress locates the containerd the members live in.
 	ContainerdAddress string
-	Namespace         string
+	// Namespaces are the containerd namespaces of templates that name none
+	// (DefaultNamespaces if empty).
+	Namespaces []string
 	// StateDir holds one control directory per member.
 	StateDir string
 	// Holder is the tidepool-holder binary, bind-mounted read-only into members.
@@ -75,7 +82,11 @@ type Controller struct {
 	// replace it.
 	newMember func(*Pool, context.Context) (*Member, error)
 
-	pools map[string]*Pool
+	// pools holds each template's member sets, one per namespace it serves, in
+	// the order configured.
+	pools map[string][]*Pool
+	// claims is when claims last took members: background work yields to them.
+	claims claimActivity
 
 	mu        sync.Mutex
 	client    *containerd.Client
@@ -91,23 +102,30 @@ type Controller struct {
 
 // NewController checks the templates; Start connects to containerd.
 func NewController(cfg Config, sn Snapshots) (*Controller, error) {
-	if cfg.Namespace == "" {
-		cfg.Namespace = "tidepool"
-	}
 	if cfg.Snapshotter == "" {
 		cfg.Snapshotter = "tidepool"
 	}
-	c := &Controller{cfg: cfg, sn: sn, cgroups: v1Cgroups{}, metrics: newMetrics(), pools: map[string]*Pool{}, ready: make(chan struct{}),
+	c := &Controller{cfg: cfg, sn: sn, cgroups: v1Cgroups{}, metrics: newMetrics(), pools: map[string][]*Pool{}, ready: make(chan struct{}),
 		newMember: (*Pool).create}
 	for i := range cfg.Templates {
 		t := cfg.Templates[i]
+		if len(t.Namespaces) == 0 {
+			t.Namespaces = cfg.Namespaces
+		}
 		if err := t.Validate(); err != nil {
 			return nil, err
 		}
 		if _, dup := c.pools[t.Name]; dup {
 			return nil, fmt.Errorf("pool %q is configured twice", t.Name)
 		}
-		c.pools[t.Name] = newPool(c, t)
+		// The holder listens on STATEDIR/<member id>/ctl.sock, and a unix socket's
+		// path has room for 107 bytes.
+		if sock := filepath.Join(cfg.StateDir, newMemberID(t.Name), holder.ControlName); len(sock) > maxSocketPath {
+			return nil, fmt.Errorf("pool %q: member control sockets would be %d bytes long (%s), over the %d a unix socket allows: shorten the pool's name or tidepoold's root", t.Name, len(sock), sock, maxSocketPath)
+		}
+		for _, ns := range t.Namespaces {
+			c.pools[t.Name] = append(c.pools[t.Name], newPool(c, t, ns))
+		}
 	}
 	if len(c.pools) > 0 {
 		if _, err := os.Stat(cfg.Holder); err != nil {
@@ -135,9 +153,22 @@ func (c *Controller) Metrics() *Metrics { return c.metrics }
 func (c *Controller) Start(ctx context.Context) {
 	if len(c.pools) == 0 {
 		close(c.ready)
+		if ents, _ := os.ReadDir(c.cfg.StateDir); len(ents) == 0 {
+			return
+		}
+		// Every pool was removed from the configuration, but members of an earlier
+		// tidepoold are left (their control directories say so): drain them.
+		ctx, c.cancel = context.WithCancel(context.WithoutCancel(ctx))
+		c.wg.Add(1)
+		go func() {
+			defer c.wg.Done()
+			if err := c.connect(ctx); err == nil {
+				c.reconcile(ctx)
+			}
+		}()
 		return
 	}
-	ctx, c.cancel = context.WithCancel(namespaces.WithNamespace(context.WithoutCancel(ctx), c.cfg.Namespace))
+	ctx, c.cancel = context.WithCancel(context.WithoutCancel(ctx))
 	c.wg.Add(1)
 	go func() {
 		defer c.wg.Done()
@@ -146,19 +177,22 @@ func (c *Controller) Start(ctx context.Context) {
 		}
 		c.reconcile(ctx)
 		close(c.ready)
-		for _, p := range c.pools {
-			c.wg.Add(1)
-			go func(p *Pool) {
-				defer c.wg.Done()
-				p.maintain(ctx)
-			}(p)
+		for _, sets := range c.pools {
+			for _, p := range sets {
+				c.wg.Add(1)
+				go func(p *Pool) {
+					defer c.wg.Done()
+					p.maintain(p.nsContext(ctx))
+				}(p)
+			}
 		}
 	}()
 }
 
 func (c *Controller) connect(ctx context.Context) error {
 	for {
-		cl, err := containerd.New(c.cfg.ContainerdAddress, containerd.WithDefaultNamespace(c.cfg.Namespace))
+		// Every call names its namespace (Pool.nsContext); none relies on a default.
+		cl, err := containerd.New(c.cfg.ContainerdAddress)
 		if err == nil {
 			if _, err = cl.Version(ctx); err == nil {
 				c.mu.Lock()
@@ -191,10 +225,12 @@ func (c *Controller) Stop() {
 	}
 }
 
-// Status is one pool's state.
+// Status is one pool's state, summed over the namespaces it serves (each has
+// min, target and max members of its own).
 type Status struct {
 	Name                    string
 	Image                   string
+	Namespaces              []string
 	Idle, Claimed, Starting int
 	Min, Target, Max        int
 }
@@ -202,18 +238,55 @@ type Status struct {
 // List reports every pool.
 func (c *Controller) List() []Status {
 	var out []Status
-	for _, p := range c.pools {
-		p.mu.Lock()
-		out = append(out, Status{Name: p.t.Name, Image: p.t.Image, Idle: len(p.idle), Claimed: p.claimed, Starting: p.starting,
-			Min: p.t.Min, Target: p.t.Target, Max: p.t.Max})
-		p.mu.Unlock()
+	for name, sets := range c.pools {
+		t := sets[0].t
+		st := Status{Name: name, Image: t.Image, Namespaces: t.Namespaces}
+		for _, p := range sets {
+			p.mu.Lock()
+			st.Idle, st.Claimed, st.Starting = st.Idle+len(p.idle), st.Claimed+p.claimed, st.Starting+p.starting
+			p.mu.Unlock()
+			st.Min, st.Target, st.Max = st.Min+t.Min, st.Target+t.Target, st.Max+t.Max
+		}
+		out = append(out, st)
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].Name < out[j].Name })
 	return out
 }
 
+// pool picks the member set an explicit claim (Run) takes from: the one with the
+// most idle members, the first configured on a tie. Explicit claims run in a
+// member whatever its namespace; only transparent ones must match (inNamespace).
 func (c *Controller) pool(name string) (*Pool, error) {
-	p, ok := c.pools[name]
+	sets, err := c.sets(name)
+	if err != nil {
+		return nil, err
+	}
+	best, most := sets[0], -1
+	for _, p := range sets {
+		p.mu.Lock()
+		n := len(p.idle)
+		p.mu.Unlock()
+		if n > most {
+			best, most = p, n
+		}
+	}
+	return best, nil
+}
+
+// inNamespace is the member set of a pool in one namespace, nil if the pool does
+// not serve it.
+func inNamespace(sets []*Pool, ns string) *Pool {
+	for _, p := range sets {
+		if p.ns == ns {
+			return p
+		}
+	}
+	return nil
+}
+
+// sets are a pool's member sets, one per namespace it serves.
+func (c *Controller) sets(name string) ([]*Pool, error) {
+	sets, ok := c.pools[name]
 	if !ok {
 		names := make([]string, 0, len(c.pools))
 		for n := range c.pools {
@@ -222,7 +295,7 @@ func (c *Controller) pool(name string) (*Pool, error) {
 		sort.Strings(names)
 		return nil, fmt.Errorf("no pool %q (configured: %s): %w", name, strings.Join(names, ", "), errdefs.ErrNotFound)
 	}
-	return p, nil
+	return sets, nil
 }
 
 func (c *Controller) waitReady(ctx context.Context) error {
@@ -234,11 +307,6 @@ func (c *Controller) waitReady(ctx context.Context) error {
 	}
 }
 
-// nsContext puts the members' containerd namespace on a caller's context.
-func (c *Controller) nsContext(ctx context.Context) context.Context {
-	return namespaces.WithNamespace(ctx, c.cfg.Namespace)
-}
-
 func (c *Controller) containerd() *containerd.Client {
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -247,26 +315,81 @@ func (c *Controller) containerd() *containerd.Client {
 
 // reconcile deals with the members a previous tidepoold left: claimed ones are
 // finished (their workload's changes are committed when it exits), everything else is
-// destroyed and the pools refill, so nothing leaks.
+// destroyed and the pools refill, so nothing leaks. It looks in every namespace, so
+// the members of a namespace a pool no longer serves go too; a container counts as a
+// member only if its member label names it (a user's container labelled
+// dev.tidepool.pool is left alone).
 func (c *Controller) reconcile(ctx context.Context) {
 	cl := c.containerd()
-	list, err := cl.Containers(ctx, fmt.Sprintf("labels.%q", LabelPool))
+	nss, err := cl.NamespaceService().List(ctx)
 	if err != nil {
-		log.G(ctx).WithError(err).Warn("pools: cannot list members to reconcile")
+		log.G(ctx).WithError(err).Warn("pools: cannot list namespaces to reconcile")
 		return
 	}
 	known := map[string]bool{}
+	// Destroying a member takes a few container operations; a daemon that left many
+	// (a pool of 50 removed from the configuration) is drained a few at a time.
+	d := &destroyer{c: c, slots: make(chan struct{}, reconcileParallel)}
+	for _, ns := range nss {
+		c.reconcileNamespace(namespaces.WithNamespace(ctx, ns), ns, known, d)
+	}
+	d.wg.Wait()
+	ents, _ := os.ReadDir(c.cfg.StateDir)
+	for _, e := range ents {
+		if !known[e.Name()] {
+			os.RemoveAll(filepath.Join(c.cfg.StateDir, e.Name()))
+		}
+	}
+	for _, sets := range c.pools {
+		for _, p := range sets {
+			p.updateGauges()
+		}
+	}
+}
+
+// maxSocketPath is the longest path a unix socket address holds (sun_path, less
+// its terminating NUL).
+const maxSocketPath = 107
+
+// reconcileParallel is how many leftover members reconcile destroys at once.
+const reconcileParallel = 4
+
+// destroyer destroys containers in the background, a few at a time.
+type destroyer struct {
+	c     *Controller
+	slots chan struct{}
+	wg    sync.WaitGroup
+}
+
+func (d *destroyer) destroy(ctx context.Context, ctr containerd.Container) {
+	d.wg.Add(1)
+	d.slots <- struct{}{}
+	go func() {
+		defer func() {
+			<-d.slots
+			d.wg.Done()
+		}()
+		d.c.destroyContainer(ctx, ctr)
+	}()
+}
+
+func (c *Controller) reconcileNamespace(ctx context.Context, ns string, known map[string]bool, d *destroyer) {
+	list, err := c.containerd().Containers(ctx, fmt.Sprintf("labels.%q", LabelMember))
+	if err != nil {
+		log.G(ctx).WithError(err).WithField("namespace", ns).Warn("pools: cannot list members to reconcile")
+		return
+	}
 	for _, ctr := range list {
-		known[ctr.ID()] = true
 		labels, err := ctr.Labels(ctx)
-		if err != nil {
+		if err != nil || labels[LabelMember] != ctr.ID() {
 			continue
 		}
-		logger := log.G(ctx).WithField("member", ctr.ID())
-		p := c.pools[labels[LabelPool]]
+		known[ctr.ID()] = true
+		logger := log.G(ctx).WithField("member", ctr.ID()).WithField("namespace", ns)
+		p := inNamespace(c.pools[labels[LabelPool]], ns)
 		if p == nil {
-			logger.Info("pools: destroying a member of a pool that is no longer configured")
-			c.destroyContainer(ctx, ctr)
+			logger.Info("pools: destroying a member of a pool that no longer serves its namespace")
+			d.destroy(ctx, ctr)
 			continue
 		}
 		if by := labels[LabelAdoptedBy]; by != "" {
@@ -292,7 +415,7 @@ func (c *Controller) reconcile(ctx context.Context) {
 		if err != nil {
 			logger.WithError(err).Info("pools: destroying a member left by the previous tidepoold")
 			c.metrics.discarded.WithLabelValues(p.t.Name, "daemon_restart").Inc()
-			c.destroyContainer(ctx, ctr)
+			d.destroy(ctx, ctr)
 			continue
 		}
 		logger.Info("pools: a claimed member outlived its client; committing when its workload exits")
@@ -304,15 +427,6 @@ func (c *Controller) reconcile(ctx context.Context) {
 			defer c.wg.Done()
 			p.finishOrphan(ctx, m)
 		}()
-	}
-	ents, _ := os.ReadDir(c.cfg.StateDir)
-	for _, e := range ents {
-		if !known[e.Name()] {
-			os.RemoveAll(filepath.Join(c.cfg.StateDir, e.Name()))
-		}
-	}
-	for _, p := range c.pools {
-		p.updateGauges()
 	}
 }
 

@@ -20,7 +20,7 @@ import (
 // never past max counting the claimed ones, and not while backing off.
 func TestNeedMember(t *testing.T) {
 	c, _, _ := testController(t, Template{Target: 3, Max: 5})
-	p := c.pools["node"]
+	p := c.pools["node"][0]
 	for _, tc := range []struct {
 		idle, starting, claimed int
 		retry                   time.Duration
@@ -51,7 +51,7 @@ func TestNeedMember(t *testing.T) {
 // pool off, doubling up to 30s; the next success resets it and adds the member.
 func TestFillBackoff(t *testing.T) {
 	c, _, _ := testController(t, Template{Target: 1})
-	p := c.pools["node"]
+	p := c.pools["node"][0]
 	fail := true
 	c.newMember = func(p *Pool, ctx context.Context) (*Member, error) {
 		if fail {
@@ -102,7 +102,7 @@ func TestRecycleMaxAge(t *testing.T) {
 	old := addMember(t, c, sn, member, "img", time.Now().Add(-2*time.Minute))
 	young := addMember(t, c, sn, member, "img", time.Now().Add(-30*time.Second))
 	newest := addMember(t, c, sn, member, "img", time.Now())
-	p := c.pools["node"]
+	p := c.pools["node"][0]
 	p.recycle(context.Background())
 	if len(p.idle) != 2 || p.idle[0] != young || p.idle[1] != newest {
 		t.Fatalf("idle after recycling: %v", ids(p.idle))
@@ -131,7 +131,7 @@ func ids(ms []*Member) []string {
 // count that bounds the pool at max.
 func TestTakeWaitsForRefill(t *testing.T) {
 	c, sn, _ := testController(t, Template{Target: 1})
-	p := c.pools["node"]
+	p := c.pools["node"][0]
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Millisecond)
 	defer cancel()
 	if _, err := p.take(ctx); !errors.Is(err, errNoMember) || !errors.Is(err, context.DeadlineExceeded) {
@@ -161,13 +161,16 @@ func TestTakeWaitsForRefill(t *testing.T) {
 	}
 }
 
+// ctrKey is the snapshot of the container in adoptReq, in namespace "default".
+const ctrKey = "default/99/ctr1"
+
 // adoptReq is a container asking for the pool, made to match a member of spec.
 func adoptReq(sn *fakeSnapshots, spec *specs.Spec) AdoptRequest {
 	sn.mu.Lock()
-	sn.infos["ctr-key"] = snapshots.Info{Name: "ctr-key", Parent: "img", Kind: snapshots.KindActive}
+	sn.infos[ctrKey] = snapshots.Info{Name: ctrKey, Parent: "img", Kind: snapshots.KindActive}
 	sn.mu.Unlock()
 	return AdoptRequest{
-		Pool: "node", ContainerID: "ctr1", Rootfs: []mount.Mount{{Type: "overlay", Source: "ctr-key"}},
+		Pool: "node", ContainerID: "ctr1", Rootfs: []mount.Mount{{Type: "overlay", Source: ctrKey}},
 		Spec: spec, Runtime: "runc",
 	}
 }
@@ -185,9 +188,9 @@ func TestAdoptColdReasons(t *testing.T) {
 			r.Rootfs = []mount.Mount{{Type: "bind", Source: "/x"}}
 		}, true},
 		{"snapshot_has_fork", func(_ *Controller, sn *fakeSnapshots, _ *fakeCgroups, _ *AdoptRequest, _ *Member) {
-			info := sn.infos["ctr-key"]
+			info := sn.infos[ctrKey]
 			info.Labels = map[string]string{"containerd.io/snapshot/tidepool.fork": "abc"}
-			sn.infos["ctr-key"] = info
+			sn.infos[ctrKey] = info
 		}, true},
 		{"workdir", func(_ *Controller, _ *fakeSnapshots, _ *fakeCgroups, r *AdoptRequest, _ *Member) {
 			r.Workdir = "/elsewhere"
@@ -197,7 +200,7 @@ func TestAdoptColdReasons(t *testing.T) {
 		}, true},
 		{"runtime", func(_ *Controller, _ *fakeSnapshots, _ *fakeCgroups, r *AdoptRequest, _ *Member) { r.Runtime = "runsc" }, true},
 		{"no_idle_member", func(c *Controller, _ *fakeSnapshots, _ *fakeCgroups, _ *AdoptRequest, _ *Member) {
-			c.pools["node"].idle = nil
+			c.pools["node"][0].idle = nil
 		}, false},
 		{"user", func(_ *Controller, _ *fakeSnapshots, _ *fakeCgroups, r *AdoptRequest, _ *Member) {
 			r.Spec.Process.User.UID = 1000
@@ -239,7 +242,7 @@ func TestAdoptColdReasons(t *testing.T) {
 			if n := testutil.ToFloat64(c.metrics.coldFallbacks.WithLabelValues("node", tc.reason)); n != 1 {
 				t.Fatalf("cold fallbacks counted for %s: %v", tc.reason, n)
 			}
-			p := c.pools["node"]
+			p := c.pools["node"][0]
 			waitDestroyed := func() bool {
 				for i := 0; i < 200 && !m.container.(*fakeContainer).isDeleted(); i++ {
 					time.Sleep(5 * time.Millisecond)
@@ -295,6 +298,7 @@ func TestAdoptAppliesCgroup(t *testing.T) {
 	m := addMember(t, c, sn, mspec, "img", time.Now())
 	req := adoptReq(sn, rspec)
 	req.Fork = "abc"
+	memberKey := m.snapKey
 	ctx := context.Background()
 	a, err := c.Adopt(ctx, req)
 	if err != nil || a.ColdReason != "" || a.Member != m.id || a.Pid != m.task.Pid() {
@@ -306,7 +310,7 @@ func TestAdoptAppliesCgroup(t *testing.T) {
 	if got := cg.res["/tidepool/ctr-1"]; got == nil || *got.Memory.Limit != limit {
 		t.Fatalf("container cgroup made with %+v, want its own memory limit", got)
 	}
-	if !reflect.DeepEqual(sn.rekeyed, [][2]string{{m.id + "-key", "ctr-key"}}) || len(sn.bound) != 1 || sn.bound[0].Key != "ctr-key" {
+	if !reflect.DeepEqual(sn.rekeyed, [][2]string{{memberKey, ctrKey}}) || len(sn.bound) != 1 || sn.bound[0].Key != ctrKey {
 		t.Fatalf("rekeyed %v, bound %v", sn.rekeyed, sn.bound)
 	}
 	if m.holderPeer().Cgroup != "/tidepool/ctr-1" {

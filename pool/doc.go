@@ -19,6 +19,29 @@
 // member's processes move into a cgroup made at the container's own path with its
 // resources. Anything else starts the container cold, with a counted reason.
 //
+// Members live in the containerd namespaces their pool serves (Template.Namespaces,
+// by default "default", where ctr and nerdctl create containers; CRI uses "k8s.io"),
+// one member set per (pool, namespace), each kept at the template's sizes. A
+// container adopts only a member of its own namespace, which it is told by its
+// snapshot's key ("<namespace>/<id>/<name>" in the snapshotter). The reason is the
+// snapshot chain: containerd unpacks an image once per namespace, so the same image
+// has different parent snapshots in two namespaces, and a member's snapshot can be
+// re-keyed to a container's only if both have the same parent. Re-parenting a
+// member's snapshot onto another namespace's chain was the alternative; it was not
+// taken, because containerd's metadata would then name, in the container's namespace,
+// a parent other than the one the snapshotter holds the snapshot under (the other
+// namespace's), and its garbage collector, which walks each namespace's chain and
+// removes what no namespace references, would act on parents inconsistent with the
+// snapshotter's. Members are thus visible in the namespaces people use
+// (`ctr c ls`), so they are named "tidepool-POOL-..." and labelled (LabelPool,
+// LabelMember, LabelState); a container counts as a member only if its member label
+// names it, so a user's container is never mistaken for one. Explicit claims (Run)
+// take a member of any namespace the pool serves.
+//
+// Claims come first (priority.go): the refill a claim triggers, and the teardown of
+// used members, wait until claims have been quiet for a moment, so a burst of claims
+// does not share the host with the background work it caused.
+//
 // Whoever can bind a member's control socket receives the workload, secrets and stdio
 // included; so the control directories are reachable by root and the holder's user
 // only, and the sender checks the listener's SO_PEERCRED (the member's holder pid, in

@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -225,18 +226,34 @@ func testController(t *testing.T, tmpl Template) (*Controller, *fakeSnapshots, *
 	return c, sn, cg
 }
 
-var memberSeq int
+var memberSeq atomic.Int64
 
-// addMember puts an idle member made from spec into the pool, its snapshot a child
-// of parent.
+// addMember puts an idle member made from spec into the pool's first member set
+// (namespace "default"), its snapshot a child of parent.
 func addMember(t *testing.T, c *Controller, sn *fakeSnapshots, spec *specs.Spec, parent string, created time.Time) *Member {
 	t.Helper()
-	memberSeq++
-	p := c.pools["node"]
-	id := fmt.Sprintf("node-%d", memberSeq)
+	return addMemberTo(t, c.pools["node"][0], sn, spec, parent, created)
+}
+
+// addMemberTo puts an idle member into one member set; its snapshot is keyed as
+// containerd's metadata store keys snapshots in a snapshotter ("<ns>/<id>/<name>").
+func addMemberTo(t *testing.T, p *Pool, sn *fakeSnapshots, spec *specs.Spec, parent string, created time.Time) *Member {
+	t.Helper()
+	m := newFakeMember(t, p, sn, spec, parent, created)
+	p.mu.Lock()
+	p.idle = append(p.idle, m)
+	p.mu.Unlock()
+	return m
+}
+
+// newFakeMember makes a member of p (as Pool.create would) without adding it.
+func newFakeMember(t *testing.T, p *Pool, sn *fakeSnapshots, spec *specs.Spec, parent string, created time.Time) *Member {
+	t.Helper()
+	seq := memberSeq.Add(1)
+	id := fmt.Sprintf("%snode-%d", MemberIDPrefix, seq)
 	m := &Member{
-		id: id, pool: p, created: created, dir: filepath.Join(c.cfg.StateDir, id), snapKey: id + "-key",
-		container: &fakeContainer{id: id, spec: spec}, task: newFakeTask(uint32(1000 + memberSeq)),
+		id: id, pool: p, created: created, dir: filepath.Join(p.c.cfg.StateDir, id), snapKey: fmt.Sprintf("%s/%d/%s", p.ns, seq, id),
+		container: &fakeContainer{id: id, spec: spec}, task: newFakeTask(uint32(1000 + seq)),
 	}
 	m.exited = m.task.(*fakeTask).exitCh
 	if err := os.MkdirAll(m.dir, 0o700); err != nil {
@@ -245,8 +262,5 @@ func addMember(t *testing.T, c *Controller, sn *fakeSnapshots, spec *specs.Spec,
 	sn.mu.Lock()
 	sn.infos[m.snapKey] = snapshots.Info{Name: m.snapKey, Parent: parent, Kind: snapshots.KindActive}
 	sn.mu.Unlock()
-	p.mu.Lock()
-	p.idle = append(p.idle, m)
-	p.mu.Unlock()
 	return m
 }

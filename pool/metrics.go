@@ -7,6 +7,7 @@ type Metrics struct {
 	members       *prometheus.GaugeVec
 	claimSeconds  *prometheus.HistogramVec
 	coldFallbacks *prometheus.CounterVec
+	adoptions     *prometheus.CounterVec
 	discarded     *prometheus.CounterVec
 	ageAtClaim    *prometheus.HistogramVec
 	oldestIdle    *prometheus.GaugeVec
@@ -16,8 +17,8 @@ func newMetrics() *Metrics {
 	return &Metrics{
 		members: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Namespace: "tidepool", Subsystem: "pool", Name: "members",
-			Help: "Pool members by state (idle, claimed, starting).",
-		}, []string{"pool", "state"}),
+			Help: "Pool members by containerd namespace and state (idle, claimed, starting).",
+		}, []string{"pool", "namespace", "state"}),
 		claimSeconds: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Namespace: "tidepool", Subsystem: "pool", Name: "claim_seconds",
 			Help:    "Time from a claim to its workload being started in a member.",
@@ -27,6 +28,10 @@ func newMetrics() *Metrics {
 			Namespace: "tidepool", Subsystem: "pool", Name: "cold_fallbacks_total",
 			Help: "Containers that asked for a pool but were started cold, by reason.",
 		}, []string{"pool", "reason"}),
+		adoptions: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: "tidepool", Subsystem: "pool", Name: "adoptions_total",
+			Help: "Containers that asked for a pool and adopted a warm member, by containerd namespace.",
+		}, []string{"pool", "namespace"}),
 		discarded: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: "tidepool", Subsystem: "pool", Name: "discarded_total",
 			Help: "Members destroyed without running a workload, by reason.",
@@ -38,13 +43,13 @@ func newMetrics() *Metrics {
 		}, []string{"pool"}),
 		oldestIdle: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Namespace: "tidepool", Subsystem: "pool", Name: "oldest_idle_member_age_seconds",
-			Help: "Age of the oldest idle member.",
-		}, []string{"pool"}),
+			Help: "Age of the oldest idle member, by containerd namespace.",
+		}, []string{"pool", "namespace"}),
 	}
 }
 
 func (m *Metrics) collectors() []prometheus.Collector {
-	return []prometheus.Collector{m.members, m.claimSeconds, m.coldFallbacks, m.discarded, m.ageAtClaim, m.oldestIdle}
+	return []prometheus.Collector{m.members, m.claimSeconds, m.coldFallbacks, m.adoptions, m.discarded, m.ageAtClaim, m.oldestIdle}
 }
 
 // Describe implements prometheus.Collector.

@@ -16,6 +16,7 @@ import (
 	containerd "github.com/containerd/containerd/v2/client"
 	"github.com/containerd/containerd/v2/core/snapshots"
 	"github.com/containerd/containerd/v2/pkg/cio"
+	"github.com/containerd/containerd/v2/pkg/namespaces"
 	"github.com/containerd/containerd/v2/pkg/oci"
 	"github.com/containerd/errdefs"
 	"github.com/containerd/log"
@@ -45,23 +46,30 @@ type Member struct {
 	exited     <-chan containerd.ExitStatus // waited on from creation, off the claim path
 }
 
-// Pool is one template's members.
+// Pool is one template's members in one containerd namespace.
 type Pool struct {
-	t Template
-	c *Controller
+	t  Template
+	ns string // the containerd namespace the members live in
+	c  *Controller
 
 	mu       sync.Mutex
 	idle     []*Member // oldest first
 	claimed  int
 	starting int
+	waiting  int           // claims waiting for a member of this set
 	changed  chan struct{} // signalled when members come or go
 	lastFill time.Time
 	retryAt  time.Time     // no new member before this, after a failure
 	backoff  time.Duration // doubles on consecutive failures
 }
 
-func newPool(c *Controller, t Template) *Pool {
-	return &Pool{t: t, c: c, changed: make(chan struct{}, 1)}
+func newPool(c *Controller, t Template, ns string) *Pool {
+	return &Pool{t: t, ns: ns, c: c, changed: make(chan struct{}, 1)}
+}
+
+// nsContext puts the members' containerd namespace on a context.
+func (p *Pool) nsContext(ctx context.Context) context.Context {
+	return namespaces.WithNamespace(ctx, p.ns)
 }
 
 func (p *Pool) poke() {
@@ -80,10 +88,10 @@ func (p *Pool) updateGauges() {
 	}
 	p.mu.Unlock()
 	m := p.c.metrics
-	m.members.WithLabelValues(p.t.Name, "idle").Set(float64(idle))
-	m.members.WithLabelValues(p.t.Name, "claimed").Set(float64(claimed))
-	m.members.WithLabelValues(p.t.Name, "starting").Set(float64(starting))
-	m.oldestIdle.WithLabelValues(p.t.Name).Set(oldest)
+	m.members.WithLabelValues(p.t.Name, p.ns, "idle").Set(float64(idle))
+	m.members.WithLabelValues(p.t.Name, p.ns, "claimed").Set(float64(claimed))
+	m.members.WithLabelValues(p.t.Name, p.ns, "starting").Set(float64(starting))
+	m.oldestIdle.WithLabelValues(p.t.Name, p.ns).Set(oldest)
 }
 
 // maintain keeps the pool at target: it starts members (at most RefillRate a second,
@@ -102,6 +110,11 @@ func (p *Pool) maintain(ctx context.Context) {
 				case <-time.After(wait):
 				}
 			}
+			// Claims first: a member started now would compete with them.
+			p.c.claims.yield(ctx, p.urgent)
+			if ctx.Err() != nil {
+				return
+			}
 			p.mu.Lock()
 			p.starting++
 			p.lastFill = time.Now()
@@ -116,6 +129,14 @@ func (p *Pool) maintain(ctx context.Context) {
 		case <-tick.C:
 		}
 	}
+}
+
+// urgent reports whether a new member must start whatever claims are doing: a claim
+// waits for one, or the pool is below its minimum.
+func (p *Pool) urgent() bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.waiting > 0 || len(p.idle)+p.starting < p.t.Min
 }
 
 // needMember reports whether one more member should start now: below target, with at
@@ -141,7 +162,7 @@ func (p *Pool) fill(ctx context.Context) {
 	}
 	p.mu.Unlock()
 	if err != nil && ctx.Err() == nil {
-		log.G(ctx).WithError(err).WithField("pool", p.t.Name).Warn("pools: could not start a member")
+		log.G(ctx).WithError(err).WithField("pool", p.t.Name).WithField("namespace", p.ns).Warn("pools: could not start a member")
 	}
 	p.updateGauges()
 	p.poke()
@@ -168,6 +189,14 @@ func (p *Pool) recycle(ctx context.Context) {
 // take removes the oldest idle member, waiting (and asking for a refill) while the
 // pool is empty.
 func (p *Pool) take(ctx context.Context) (*Member, error) {
+	waiting := false
+	defer func() {
+		if waiting {
+			p.mu.Lock()
+			p.waiting--
+			p.mu.Unlock()
+		}
+	}()
 	for {
 		p.mu.Lock()
 		if len(p.idle) > 0 {
@@ -175,8 +204,13 @@ func (p *Pool) take(ctx context.Context) (*Member, error) {
 			p.idle = p.idle[1:]
 			p.claimed++
 			p.mu.Unlock()
+			p.c.claims.took()
 			p.poke()
 			return m, nil
+		}
+		if !waiting {
+			waiting = true
+			p.waiting++
 		}
 		p.mu.Unlock()
 		p.poke()
@@ -197,15 +231,18 @@ func (p *Pool) release() {
 	p.poke()
 }
 
+// newMemberID names a member so that it reads as one in `ctr c ls`, where members
+// in a namespace people use (default) sit beside their own containers.
 func newMemberID(pool string) string {
 	var b [6]byte
 	rand.Read(b[:])
-	return pool + "-" + hex.EncodeToString(b[:])
+	return MemberIDPrefix + pool + "-" + hex.EncodeToString(b[:])
 }
 
 // create starts one member: container, late-bound snapshot, task through the tidepool
 // shim with the holder as pid 1; frozen once the holder listens.
 func (p *Pool) create(ctx context.Context) (_ *Member, retErr error) {
+	ctx = p.nsContext(ctx)
 	c := p.c
 	cl := c.containerd()
 	id := newMemberID(p.t.Name)
@@ -222,7 +259,9 @@ func (p *Pool) create(ctx context.Context) (_ *Member, retErr error) {
 	}
 	image, err := cl.GetImage(ctx, p.t.Image)
 	if err != nil {
-		return nil, fmt.Errorf("pool image %s: %w", p.t.Image, err)
+		// Each namespace a pool serves needs the image: a container adopts only a
+		// member unpacked from its own namespace's copy.
+		return nil, fmt.Errorf("pool image %s in namespace %s (pull or import it there, e.g. ctr -n %s images pull): %w", p.t.Image, p.ns, p.ns, err)
 	}
 	if ok, err := image.IsUnpacked(ctx, c.cfg.Snapshotter); err != nil || !ok {
 		if err := image.Unpack(ctx, c.cfg.Snapshotter); err != nil {
@@ -404,7 +443,9 @@ func (m *Member) resume(ctx context.Context) error {
 // committed or are deliberately thrown away), the container cgroup it was moved to,
 // and control directory.
 func (p *Pool) destroy(ctx context.Context, m *Member) {
-	ctx = context.WithoutCancel(ctx)
+	ctx = p.nsContext(context.WithoutCancel(ctx))
+	// Teardown is background work: let the claims under way finish first.
+	p.c.claims.yield(ctx, nil)
 	if m.task != nil {
 		killAndDelete(ctx, m.task, func() {
 			if m.cgroup != "" && !m.runcPaused {

@@ -83,12 +83,12 @@ const claimAttempts = 3
 // descriptors, thaws the member, relays stdio until the workload exits, commits its
 // changes to the fork and destroys the member.
 func (c *Controller) Run(ctx context.Context, spec RunSpec, rio RunIO) (RunResult, error) {
-	ctx = c.nsContext(ctx)
 	var res RunResult
 	p, err := c.pool(spec.Pool)
 	if err != nil {
 		return res, err
 	}
+	ctx = p.nsContext(ctx)
 	if len(spec.Args) == 0 {
 		return res, fmt.Errorf("run: no command: %w", errdefs.ErrInvalidArgument)
 	}

@@ -3,10 +3,17 @@ package pool
 import (
 	"fmt"
 	"path"
+	"slices"
 	"time"
+
+	"github.com/containerd/containerd/v2/pkg/identifiers"
 
 	"github.com/tidepool-dev/tidepool/binding"
 )
+
+// DefaultNamespaces are the containerd namespaces a pool serves when its
+// configuration names none: ctr's and nerdctl's. CRI works in "k8s.io".
+var DefaultNamespaces = []string{"default"}
 
 // Template describes one pool. The plugin package maps its TOML onto it.
 type Template struct {
@@ -23,6 +30,12 @@ type Template struct {
 	// RefillRate is how many members may be started per second.
 	RefillRate float64
 	MaxAge     time.Duration
+
+	// Namespaces are the containerd namespaces the pool keeps members in
+	// (DefaultNamespaces if none): a container adopts a member only in its own
+	// namespace (see the package doc), and each namespace gets min, target and max
+	// members of its own.
+	Namespaces []string
 }
 
 // Validate checks a template and fills its defaults.
@@ -34,8 +47,26 @@ func (t *Template) Validate() error {
 	if t.Image == "" {
 		return bad("needs an image")
 	}
+	if len(t.Namespaces) == 0 {
+		t.Namespaces = DefaultNamespaces
+	}
+	t.Namespaces = slices.Clone(t.Namespaces)
+	for i, ns := range t.Namespaces {
+		if err := identifiers.Validate(ns); err != nil {
+			return bad("namespaces: %v", err)
+		}
+		if slices.Contains(t.Namespaces[:i], ns) {
+			return bad("namespaces: %q is listed twice", ns)
+		}
+	}
 	if t.Runtime == "" {
 		t.Runtime = "runc"
+	}
+	if t.Runtime == "kata-fc" {
+		// A member is a runc container frozen around a holder that receives the
+		// workload over a bind-mounted socket; a Firecracker VM has neither the bind
+		// mount (no virtio-fs) nor the freezer. The plan is contrib/kata-fc/pools.md.
+		return bad("runtime %q: VM pools are not implemented (contrib/kata-fc/pools.md); members run on a runc-kind route (runc, runsc)", t.Runtime)
 	}
 	if t.Workdir == "" {
 		t.Workdir = binding.DefaultWorkdir

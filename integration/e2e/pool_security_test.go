@@ -17,6 +17,7 @@ import (
 
 	"github.com/tidepool-dev/tidepool/integration/imagebuild"
 	"github.com/tidepool-dev/tidepool/integration/stack"
+	"github.com/tidepool-dev/tidepool/pool"
 )
 
 // hijackEnv makes this test binary, copied where another user can run it, act as an
@@ -63,7 +64,7 @@ func memberIDs(t *testing.T, s *stack.Stack) []string {
 	t.Helper()
 	var ids []string
 	for _, id := range strings.Fields(s.MustCtr(t, "container", "ls", "-q")) {
-		if strings.HasPrefix(id, "node-") {
+		if strings.HasPrefix(id, pool.MemberIDPrefix+"node-") {
 			ids = append(ids, id)
 		}
 	}

@@ -27,7 +27,7 @@ func (s *Stack) PoolConfig(p Pool) string {
 	}
 	return fmt.Sprintf(`
 [pools]
-namespace = %q
+namespaces = [%q]
 holder = %q
 shim_config = %q
 [[pools.template]]

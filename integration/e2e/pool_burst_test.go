@@ -1,0 +1,238 @@
+package e2e
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	apiv1 "github.com/tidepool-dev/tidepool/api/v1"
+	"github.com/tidepool-dev/tidepool/integration/harness"
+	"github.com/tidepool-dev/tidepool/integration/stack"
+	"github.com/tidepool-dev/tidepool/localapi"
+)
+
+// burstSize is both the pool's target and the number of concurrent claims.
+const burstSize = 50
+
+// burstClaim is one claim of a burst: its fork, what came back, and how long it took.
+type burstClaim struct {
+	fork    string
+	exit    *apiv1.RunExit
+	stdout  string
+	stderr  string
+	err     error
+	claim   time.Duration // the daemon's claim latency: request to workload started
+	elapsed time.Duration // the caller's: request to exit, commit included
+}
+
+// makeForks makes n forks of root, one per claim.
+func makeForks(t testing.TB, s *stack.Stack, root string, n int) []string {
+	t.Helper()
+	out := make([]string, n)
+	for i := range out {
+		out[i] = strings.TrimSpace(s.MustTidepool(t, "fork", root, "--label", fmt.Sprintf("burst-%d", i)))
+	}
+	return out
+}
+
+// burst runs one claim per fork, all at once (each on its own connection, as as many
+// `tidepool run` processes would): claim i writes burst-i.txt into its fork and prints
+// the fork's README.
+func burst(t testing.TB, s *stack.Stack, poolName string, forkIDs []string) []burstClaim {
+	t.Helper()
+	claims := make([]burstClaim, len(forkIDs))
+	clients := make([]*localapi.Client, len(forkIDs))
+	for i := range clients {
+		c, err := localapi.Dial(context.Background(), s.APIAddress, 5*time.Second)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		clients[i] = c
+	}
+	start := make(chan struct{})
+	var wg sync.WaitGroup
+	for i := range claims {
+		wg.Add(1)
+		go func(i int) {
+			defer wg.Done()
+			c := &claims[i]
+			c.fork = forkIDs[i]
+			var out, errOut bytes.Buffer
+			<-start
+			t0 := time.Now()
+			c.exit, c.err = clients[i].Run(context.Background(), &apiv1.RunStart{
+				Pool: poolName, Fork: c.fork, Args: []string{"sh", "-c", fmt.Sprintf("echo %d > burst-%d.txt && cat README.md", i, i)},
+			}, localapi.RunStreams{Stdout: &out, Stderr: &errOut})
+			c.elapsed = time.Since(t0)
+			c.stdout, c.stderr = out.String(), errOut.String()
+			if c.exit != nil {
+				c.claim = time.Duration(c.exit.GetClaimMs() * float64(time.Millisecond))
+			}
+		}(i)
+	}
+	close(start)
+	wg.Wait()
+	return claims
+}
+
+// checkBurst fails unless every claim ran, exited 0 with the fork's README, and left
+// exactly its own file on its own fork.
+func checkBurst(t testing.TB, s *stack.Stack, root string, claims []burstClaim) {
+	t.Helper()
+	for i, c := range claims {
+		if c.err != nil {
+			t.Fatalf("claim %d: %v", i, c.err)
+		}
+		if c.exit.GetStatus() != 0 || c.stdout != appSource["README.md"] || c.stderr != "" {
+			t.Fatalf("claim %d: exit %d stdout %q stderr %q", i, c.exit.GetStatus(), c.stdout, c.stderr)
+		}
+		if c.exit.GetForkId() != c.fork {
+			t.Fatalf("claim %d ran on fork %q, asked for %q", i, c.exit.GetForkId(), c.fork)
+		}
+		if d := s.MustTidepool(t, "diff", root, c.fork); d != fmt.Sprintf("A burst-%d.txt\n", i) {
+			t.Fatalf("claim %d: fork %s changes %q", i, c.fork, d)
+		}
+		if got := s.MustTidepool(t, "cat", c.fork, fmt.Sprintf("burst-%d.txt", i)); got != fmt.Sprintf("%d\n", i) {
+			t.Fatalf("claim %d: fork holds %q", i, got)
+		}
+	}
+}
+
+func claimLatencies(claims []burstClaim) (claim, elapsed []time.Duration) {
+	for _, c := range claims {
+		claim = append(claim, c.claim)
+		elapsed = append(elapsed, c.elapsed)
+	}
+	return claim, elapsed
+}
+
+// drainPools replaces tidepoold (killed, as a crash or an upgrade would) by one whose
+// configuration has no pool templates: it destroys the members the old one left.
+func drainPools(t testing.TB, s *stack.Stack) {
+	t.Helper()
+	cfgPath := filepath.Join(s.Dir, "tidepoold.toml")
+	b, err := os.ReadFile(cfgPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg, _, _ := strings.Cut(string(b), "[[pools.template]]")
+	if err := os.WriteFile(cfgPath, []byte(cfg), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Daemon.Kill(); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Daemon.Start(context.Background()); err != nil {
+		t.Fatalf("restart tidepoold: %v\n%s", err, s.Daemon.LogTail(40))
+	}
+}
+
+// checkNothingLeft returns "" when containerd, the snapshotter, the daemon's views,
+// the mount table, the namespace's cgroups and the shims hold nothing of any member.
+func checkNothingLeft(t testing.TB, s *stack.Stack) string {
+	if ctrs := strings.Fields(s.MustCtr(t, "container", "ls", "-q")); len(ctrs) != 0 {
+		return fmt.Sprintf("%d containers: %v", len(ctrs), ctrs)
+	}
+	if out := s.MustCtr(t, "snapshot", "--snapshotter", "tidepool", "ls"); strings.Contains(out, "Active") {
+		return "active snapshots left:\n" + out
+	}
+	views, _ := os.ReadDir(filepath.Join(s.Root, "views"))
+	mounts, _ := harness.MountsUnder(s.Root)
+	if len(views) != 0 || len(mounts) != 0 {
+		return fmt.Sprintf("%d view dirs, %d mounts under the root: %v", len(views), len(mounts), mounts)
+	}
+	cgs, _ := harness.CgroupDirs("/" + s.C.Namespace)
+	for _, cg := range cgs {
+		ents, _ := os.ReadDir(cg)
+		for _, e := range ents {
+			if e.IsDir() {
+				return fmt.Sprintf("cgroup %s/%s left", cg, e.Name())
+			}
+		}
+	}
+	shims, err := harness.ShimProcesses(s.C.Address)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(shims) != 0 {
+		return fmt.Sprintf("%d shims still run", len(shims))
+	}
+	if ents, _ := os.ReadDir(filepath.Join(s.Root, "pools")); len(ents) != 0 {
+		return fmt.Sprintf("%d member control directories left", len(ents))
+	}
+	return ""
+}
+
+// TestPoolBurst: 50 concurrent claims, each with its own fork, against a pool of
+// target 50. Every claim is correct (its own file, on its own fork, nothing else),
+// the pool refills to target with nothing extra, and once the pool is drained no
+// container, snapshot, view, mount, cgroup, shim or control directory is left.
+// (The latency spread is `make bench`'s: BenchmarkPoolBurst.)
+func TestPoolBurst(t *testing.T) {
+	s := poolStack(t, burstSize, "")
+	root := s.Ingest(t, writeTree(t, appSource))
+	forkIDs := makeForks(t, s, root, burstSize)
+	waitPool(t, s, "node", burstSize)
+
+	claims := burst(t, s, "node", forkIDs)
+	checkBurst(t, s, root, claims)
+	claim, elapsed := claimLatencies(claims)
+	t.Logf("%d concurrent claims: claim p50 %v p99 %v; end to end p50 %v p99 %v", burstSize,
+		percentile(claim, 0.5), percentile(claim, 0.99), percentile(elapsed, 0.5), percentile(elapsed, 0.99))
+	if n := s.Metric(t, "tidepool_pool_claim_seconds_count", `pool="node"`); n != burstSize {
+		t.Fatalf("%v warm claims recorded, want %d", n, burstSize)
+	}
+
+	waitPool(t, s, "node", burstSize)
+	waitFor(t, "only the members left after the refill", func() string { return checkOnlyMembers(t, s, burstSize) })
+	drainPools(t, s)
+	// 50 members to destroy on a busy 2-core host: allow more than waitFor's minute.
+	deadline := time.Now().Add(4 * time.Minute)
+	for msg := checkNothingLeft(t, s); msg != ""; msg = checkNothingLeft(t, s) {
+		if time.Now().After(deadline) {
+			t.Fatalf("nothing left once the pool is drained: %s\n%s", msg, s.Daemon.LogTail(40))
+		}
+		time.Sleep(500 * time.Millisecond)
+	}
+}
+
+// BenchmarkPoolBurst: 50 concurrent claims, each with its own fork, against a pool of
+// target 50 (the pool refilled between bursts): the daemon's claim latency (request
+// to workload started) p50, p99 and their ratio, goal p99 <= 2x p50, and the callers'
+// end to end (request to exit, commit included) likewise.
+func BenchmarkPoolBurst(b *testing.B) {
+	s := poolStack(b, burstSize, "")
+	root := s.Ingest(b, writeTree(b, appSource))
+	var claim, elapsed []time.Duration
+	b.ResetTimer()
+	for i := 0; i < min(b.N, 2); i++ {
+		b.StopTimer()
+		forkIDs := makeForks(b, s, root, burstSize)
+		waitPool(b, s, "node", burstSize)
+		b.StartTimer()
+		claims := burst(b, s, "node", forkIDs)
+		b.StopTimer()
+		checkBurst(b, s, root, claims)
+		c, e := claimLatencies(claims)
+		claim, elapsed = append(claim, c...), append(elapsed, e...)
+		b.StartTimer()
+	}
+	b.StopTimer()
+	ms := func(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
+	cp50, cp99, ep50, ep99 := percentile(claim, 0.5), percentile(claim, 0.99), percentile(elapsed, 0.5), percentile(elapsed, 0.99)
+	b.ReportMetric(ms(cp50), "claim-p50-ms")
+	b.ReportMetric(ms(cp99), "claim-p99-ms")
+	b.ReportMetric(float64(cp99)/float64(cp50), "claim-p99/p50")
+	b.ReportMetric(ms(ep50), "e2e-p50-ms")
+	b.ReportMetric(ms(ep99), "e2e-p99-ms")
+	b.ReportMetric(float64(ep99)/float64(ep50), "e2e-p99/p50")
+	b.Logf("%d claims in bursts of %d: claim p50 %v p99 %v (%.2fx); end to end p50 %v p99 %v (%.2fx)", len(claim), burstSize,
+		cp50, cp99, float64(cp99)/float64(cp50), ep50, ep99, float64(ep99)/float64(ep50))
+}
