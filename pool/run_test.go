@@ -23,7 +23,7 @@ func TestMembersFrozenByCgroup(t *testing.T) {
 	if err := m.resume(ctx); err != nil {
 		t.Fatal(err)
 	}
-	c.pools["node"].destroy(ctx, m)
+	c.pools["node"][0].destroy(ctx, m)
 	if got, want := cg.done(), []string{"freeze " + m.cgroup, "thaw " + m.cgroup, "thaw " + m.cgroup}; !reflect.DeepEqual(got, want) {
 		t.Fatalf("cgroup operations %v, want %v", got, want)
 	}
