@@ -31,6 +31,7 @@ func newPoolController(c *Core) (*pool.Controller, error) {
 			Name: t.Name, Image: t.Image, Runtime: t.Runtime, Workdir: t.Workdir, Owner: t.Owner,
 			CPUs: t.CPUs, Memory: t.MemoryMB << 20, Min: t.Min, Target: t.Target, Max: t.Max,
 			RefillRate: t.RefillRate, MaxAge: time.Duration(t.MaxAge),
+			ShimGroupSize: t.ShimGroupSize, ShimGroupGrace: time.Duration(t.ShimGroupGrace),
 		})
 	}
 	return pool.NewController(cfg, c.Snapshotter)
