@@ -220,12 +220,19 @@ func drainPools(t testing.TB, s *stack.Stack, groups map[string]string) {
 	if err := s.Daemon.Start(context.Background()); err != nil {
 		t.Fatalf("restart tidepoold: %v\n%s", err, s.Daemon.LogTail(40))
 	}
-	waitFor(t, "every member destroyed", func() string {
-		if ids := strings.Fields(s.MustCtr(t, "container", "ls", "-q")); len(ids) > 0 {
-			return fmt.Sprintf("%d containers left", len(ids))
+	// tidepoold destroys members one at a time: allow for a few seconds each.
+	members := len(groups)
+	deadline := time.Now().Add(time.Minute + time.Duration(members)*3*time.Second)
+	for {
+		ids := strings.Fields(s.MustCtr(t, "container", "ls", "-q"))
+		if len(ids) == 0 {
+			break
 		}
-		return ""
-	})
+		if time.Now().After(deadline) {
+			t.Fatalf("%d of %d members left after the drain\n%s", len(ids), members, s.Daemon.LogTail(40))
+		}
+		time.Sleep(500 * time.Millisecond)
+	}
 	s.C.LeakCheck(t)
 	for _, g := range groups {
 		if g == "" {
