@@ -213,7 +213,7 @@ func (m *Manager) startGrouped(ctx context.Context, params *bootapi.BootstrapPar
 	}
 	defer g.unlock()
 	id := params.GetInstanceID()
-	if addr := g.state.Address; addr != "" && shim.CanConnect(addr) {
+	if addr := g.state.Address; addr != "" && reachable(addr) {
 		g.pending(id, pendingStart{Address: addr, Bundle: bundle, At: time.Now()})
 		if err := g.save(); err != nil {
 			return nil, err
@@ -232,6 +232,18 @@ func (m *Manager) startGrouped(ctx context.Context, params *bootapi.BootstrapPar
 		log.G(ctx).WithError(err).WithField("group", group).Warn("cannot record the group's new shim")
 	}
 	return res, nil
+}
+
+// reachable says whether a shim listens at addr. containerd's CanConnect gives up after
+// 100 ms, which a loaded host's scheduler alone can exceed, starting a needless shim;
+// a shim that is gone refuses at once, so a longer wait costs only a live, slow one.
+func reachable(addr string) bool {
+	conn, err := shim.AnonDialer(addr, 3*time.Second)
+	if err != nil {
+		return false
+	}
+	conn.Close()
+	return true
 }
 
 // shimGroup is what a grouped shim knows of its group.

@@ -81,35 +81,44 @@ func tidepoolShims(t testing.TB, s *stack.Stack) []harness.Process {
 	return shimProcessesNamed(t, s, "containerd-shim-tidepool-v1")
 }
 
-// checkSharedShims fails unless the members are served by exactly one shim per group
-// (every holder's parent is its group's shim).
-func checkSharedShims(t testing.TB, s *stack.Stack, members int) {
+// shimReport says which shims serve the members (every holder's parent is its
+// shim), and whether there is exactly one shim per group.
+func shimReport(t testing.TB, s *stack.Stack) (string, bool) {
+	t.Helper()
+	groups := map[string]int{}
+	members := 0
+	for id, g := range memberGroups(t, s) {
+		if g == "" {
+			return fmt.Sprintf("member %s has no shim group", id), false
+		}
+		groups[g]++
+		members++
+	}
+	shims := tidepoolShims(t, s)
+	served := map[string]int{}
+	for _, line := range strings.Split(s.MustCtr(t, "task", "ls"), "\n") {
+		if f := strings.Fields(line); len(f) == 3 && f[0] != "TASK" {
+			served[fmt.Sprint(procKiB("/proc/"+f[1]+"/status", "PPid:"))]++
+		}
+	}
+	var list []string
+	for _, p := range shims {
+		list = append(list, fmt.Sprintf("pid %d (%d members) %s", p.Pid, served[fmt.Sprint(float64(p.Pid))], strings.Join(p.Cmdline, " ")))
+	}
+	msg := fmt.Sprintf("%d members in %d groups %v are served by %d shims:\n  %s", members, len(groups), groups, len(shims), strings.Join(list, "\n  "))
+	return msg, len(shims) == len(groups)
+}
+
+// checkSharedShims fails unless the members are served by exactly one shim per group.
+func checkSharedShims(t testing.TB, s *stack.Stack) {
 	t.Helper()
 	var msg string
 	waitFor(t, "one shim per group", func() string {
-		groups := map[string]int{}
-		for id, g := range memberGroups(t, s) {
-			if g == "" {
-				return fmt.Sprintf("member %s has no shim group", id)
-			}
-			groups[g]++
+		var ok bool
+		if msg, ok = shimReport(t, s); ok {
+			return ""
 		}
-		shims := tidepoolShims(t, s)
-		served := map[string]int{}
-		for _, line := range strings.Split(s.MustCtr(t, "task", "ls"), "\n") {
-			if f := strings.Fields(line); len(f) == 3 && f[0] != "TASK" {
-				served[fmt.Sprint(procKiB("/proc/"+f[1]+"/status", "PPid:"))]++
-			}
-		}
-		var list []string
-		for _, p := range shims {
-			list = append(list, fmt.Sprintf("pid %d (%d members) %s", p.Pid, served[fmt.Sprint(float64(p.Pid))], strings.Join(p.Cmdline, " ")))
-		}
-		msg = fmt.Sprintf("%d members in %d groups %v are served by %d shims:\n  %s", members, len(groups), groups, len(shims), strings.Join(list, "\n  "))
-		if len(shims) != len(groups) {
-			return msg
-		}
-		return ""
+		return msg
 	})
 	t.Log(msg)
 }
@@ -252,7 +261,7 @@ func TestPoolDensity(t *testing.T) {
 	s, before := densityStack(t, n, 20, "1s")
 	root := s.Ingest(t, writeTree(t, appSource))
 	waitPoolLong(t, s, "dense", n, 5*time.Minute)
-	checkSharedShims(t, s, n)
+	checkSharedShims(t, s)
 	t.Log(measureIdle(t, s, before))
 
 	client, err := localapi.Dial(context.Background(), s.APIAddress, 5*time.Second)
@@ -295,7 +304,7 @@ func TestPoolDensity(t *testing.T) {
 	}
 	// Refilled into the groups' shims, not new ones.
 	waitPoolLong(t, s, "dense", n, 2*time.Minute)
-	checkSharedShims(t, s, n)
+	checkSharedShims(t, s)
 	drainPools(t, s, memberGroups(t, s))
 }
 
@@ -309,6 +318,10 @@ func BenchmarkPoolDensity(b *testing.B) {
 		time.Sleep(2 * time.Second)
 		c := measureIdle(b, s, before)
 		b.Log(c)
+		if groupSize > 1 {
+			msg, _ := shimReport(b, s)
+			b.Log(msg)
+		}
 		groups := memberGroups(b, s)
 		drainPools(b, s, groups)
 		return c
