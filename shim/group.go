@@ -174,6 +174,28 @@ func (g *lockedGroup) save() error {
 	return nil
 }
 
+// settle, before unlocking, removes the state of a group with no shim and no start
+// on its way (whoever leaves last cleans up, recorded or not), else saves it if changed.
+func (g *lockedGroup) settle(changed bool) error {
+	now := time.Now()
+	for id, p := range g.state.Pending {
+		if !p.live(now) {
+			delete(g.state.Pending, id)
+			changed = true
+		}
+	}
+	if g.state.Address == "" && len(g.state.Pending) == 0 {
+		if err := os.Remove(g.path); err != nil && !os.IsNotExist(err) {
+			return err
+		}
+		return nil
+	}
+	if changed {
+		return g.save()
+	}
+	return nil
+}
+
 // unlock releases the lock (closing the file drops the flock).
 func (g *lockedGroup) unlock() { g.f.Close() }
 
@@ -355,21 +377,18 @@ func (s *TaskService) leaveGroup() {
 	}
 	// Not knowing its own address, a shim clears whatever is recorded: the worst
 	// that does is start a fresh shim for the next member.
-	if g.self == "" || lg.state.Address == g.self {
+	changed := g.self == "" || lg.state.Address == g.self
+	if changed {
 		lg.state.Address = ""
-		var err error
-		if len(lg.state.Pending) == 0 {
-			err = os.Remove(lg.path)
-		} else {
-			err = lg.save()
-		}
-		if err != nil {
-			// Still recorded: a start could be handed this address, so stay.
-			s.mu.Unlock()
-			log.G(ctx).WithError(err).Error("cannot clear the group's record; staying up")
-			go s.idle(time.Second)
-			return
-		}
+	}
+	if err := lg.settle(changed); err != nil && !changed {
+		log.G(ctx).WithError(err).Warn("cannot remove the group's empty state")
+	} else if err != nil {
+		// Still recorded: a start could be handed this address, so stay.
+		s.mu.Unlock()
+		log.G(ctx).WithError(err).Error("cannot clear the group's record; staying up")
+		go s.idle(time.Second)
+		return
 	}
 	s.exiting = true
 	s.mu.Unlock()

@@ -240,6 +240,19 @@ func TestLeaveGroup(t *testing.T) {
 			t.Fatalf("another shim's record changed: %+v", st)
 		}
 	})
+	t.Run("the last to leave removes an empty state", func(t *testing.T) {
+		// Another shim was recorded and left first; this one, no longer recorded,
+		// leaves last and must not leave the (empty) state behind.
+		s, f, state, _ := groupedService(t, self)
+		writeState(t, state, groupState{})
+		s.leaveGroup()
+		if f.count() != 1 {
+			t.Fatalf("%d shutdowns, want 1", f.count())
+		}
+		if _, err := os.Stat(state); !os.IsNotExist(err) {
+			t.Fatalf("empty group state left: %v", err)
+		}
+	})
 	t.Run("a stale start does not keep it", func(t *testing.T) {
 		s, f, state, bundle := groupedService(t, self)
 		writeState(t, state, groupState{Address: self, Pending: map[string]pendingStart{"m4": {Address: self, Bundle: bundle, At: time.Now()}}})

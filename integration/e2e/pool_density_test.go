@@ -243,10 +243,12 @@ func drainPools(t testing.TB, s *stack.Stack, groups map[string]string) {
 		time.Sleep(500 * time.Millisecond)
 	}
 	s.C.LeakCheck(t)
+	seen := map[string]bool{}
 	for _, g := range groups {
-		if g == "" {
+		if g == "" || seen[g] {
 			continue
 		}
+		seen[g] = true
 		if _, err := os.Stat(shim.GroupStatePath(filepath.Join(s.C.Dir, "s"), s.C.Address, s.C.Namespace, g)); !os.IsNotExist(err) {
 			t.Errorf("state of shim group %s left behind (%v)", g, err)
 		}
