@@ -151,7 +151,7 @@ func TestShimGroupDrainRace(t *testing.T) {
 	}
 	const group = "race"
 	ours := map[string]string{binding.AnnotationShimGroup: group, binding.AnnotationShimGroupGrace: "0s"}
-	failed, errs := groupRace(t, s, cl, ours, "grp", 12, 4)
+	failed, errs := groupRace(t, s, cl, ours, "grp", 8, 4)
 	if failed > 0 {
 		t.Errorf("%d creates failed against a draining tidepool group; first: %v", failed, errs[0])
 	}
@@ -161,12 +161,12 @@ func TestShimGroupDrainRace(t *testing.T) {
 	}
 
 	upstream := map[string]string{"io.containerd.runc.v2.group": "race-upstream"}
-	upFailed, upErrs := groupRace(t, s, cl, upstream, "up", 12, 4)
+	upFailed, upErrs := groupRace(t, s, cl, upstream, "up", 8, 4)
 	var first error
 	if len(upErrs) > 0 {
 		first = upErrs[0]
 	}
-	t.Logf("creates failed while draining: tidepool group %d of 48, containerd's group label %d of 48 (first: %v)", failed, upFailed, first)
+	t.Logf("creates failed while draining: tidepool group %d of 32, containerd's group label %d of 32 (first: %v)", failed, upFailed, first)
 	// containerd's grouping leaves the cgroups of the creates it lost; remove them
 	// (empty) so that the instance's own cleanup finds nothing.
 	time.Sleep(time.Second)
