@@ -94,6 +94,9 @@ type PoolTemplate struct {
 	Max        int      `toml:"max" comment:"idle plus claimed members at most (default 2*target)"`
 	RefillRate float64  `toml:"refill_rate" comment:"members started per second at most (default 5)"`
 	MaxAge     Duration `toml:"max_age" comment:"idle members older than this are recycled (default 1h)"`
+	// Shim groups: idle members share shim processes (pool.Template.ShimGroupSize).
+	ShimGroupSize  int      `toml:"shim_group_size,omitempty" comment:"idle members per shim process (default 100; 1: a shim per member)"`
+	ShimGroupGrace Duration `toml:"shim_group_grace,omitempty" comment:"how long a group's shim stays up serving no member, so a draining pool refills into it (default 5s)"`
 }
 
 // DefaultConfig is the configuration `tidepoold --print-default-config` prints.

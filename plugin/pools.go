@@ -44,6 +44,7 @@ func poolConfig(c *Config) pool.Config {
 			Name: t.Name, Image: t.Image, Namespaces: t.Namespaces, Runtime: t.Runtime, Workdir: t.Workdir, Owner: t.Owner,
 			CPUs: t.CPUs, Memory: t.MemoryMB << 20, Min: t.Min, Target: t.Target, Max: t.Max,
 			RefillRate: t.RefillRate, MaxAge: time.Duration(t.MaxAge),
+			ShimGroupSize: t.ShimGroupSize, ShimGroupGrace: time.Duration(t.ShimGroupGrace),
 		})
 	}
 	return cfg

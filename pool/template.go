@@ -2,6 +2,7 @@ package pool
 
 import (
 	"fmt"
+	"hash/fnv"
 	"path"
 	"slices"
 	"time"
@@ -36,7 +37,17 @@ type Template struct {
 	// namespace (see the package doc), and each namespace gets min, target and max
 	// members of its own.
 	Namespaces []string
+	// ShimGroupSize is how many idle members share one shim process (about: members
+	// are spread over ceil(Target/ShimGroupSize) groups by id); 1 gives every member
+	// a shim of its own. 0 means DefaultShimGroupSize.
+	ShimGroupSize int
+	// ShimGroupGrace is how long a group's shim stays up serving no member (the
+	// keep-alive a draining pool refills into). 0 means the shim's default.
+	ShimGroupGrace time.Duration
 }
+
+// DefaultShimGroupSize: a shim costs ~19 MB, a member in a shared one a few hundred KB.
+const DefaultShimGroupSize = 100
 
 // Validate checks a template and fills its defaults.
 func (t *Template) Validate() error {
@@ -97,20 +108,45 @@ func (t *Template) Validate() error {
 	if t.MaxAge <= 0 {
 		t.MaxAge = time.Hour
 	}
+	if t.ShimGroupSize == 0 {
+		t.ShimGroupSize = DefaultShimGroupSize
+	}
+	if t.ShimGroupSize < 0 || t.ShimGroupGrace < 0 || t.ShimGroupGrace > time.Hour {
+		return bad("shim_group_size must be positive and shim_group_grace within 0s-1h")
+	}
 	if t.CPUs < 0 || t.Memory < 0 {
 		return bad("resources must not be negative")
 	}
 	return nil
 }
 
-// runtimeAnnotation routes members through the shim's route of that name.
+// annotations route members through the shim's route of that name and into the
+// pool's shim groups. (Not dev.tidepool.pool: that is how a container asks to adopt a
+// member.)
 func (t *Template) annotations(memberID string) map[string]string {
-	return map[string]string{
-		// Each member has a shim of its own: a shim serving a group exits when its
-		// last container goes, and a pool that drains would race a new member's
-		// create against that exit.
-		// (Not dev.tidepool.pool: that is how a container asks to adopt a member.)
+	ann := map[string]string{
 		binding.AnnotationRuntime: t.Runtime,
 		LabelMember:               memberID,
 	}
+	if g := t.shimGroup(memberID); g != "" {
+		// A grouped shim stays up for its grace once empty, and a create racing its
+		// exit lands in a fresh one (shim/group.go): draining never races refills.
+		ann[binding.AnnotationShimGroup] = g
+		if t.ShimGroupGrace > 0 {
+			ann[binding.AnnotationShimGroupGrace] = t.ShimGroupGrace.String()
+		}
+	}
+	return ann
+}
+
+// shimGroup spreads members over ceil(Target/ShimGroupSize) groups by their id; ""
+// means a shim of the member's own.
+func (t *Template) shimGroup(memberID string) string {
+	if t.ShimGroupSize <= 1 {
+		return ""
+	}
+	groups := (t.Target + t.ShimGroupSize - 1) / t.ShimGroupSize
+	h := fnv.New32a()
+	h.Write([]byte(memberID))
+	return fmt.Sprintf("pool.%s.%d", t.Name, h.Sum32()%uint32(max(groups, 1)))
 }

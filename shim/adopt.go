@@ -418,11 +418,16 @@ func (s *TaskService) Connect(ctx context.Context, r *taskapi.ConnectRequest) (*
 }
 
 // Shutdown implements the task API: the shim stays while it answers for an adopted
-// container, which the runc service does not know about.
+// container, which the runc service does not know about; a grouped shim leaves on
+// its own, once its keep-alive has run out (group.go).
 func (s *TaskService) Shutdown(ctx context.Context, r *taskapi.ShutdownRequest) (*emptypb.Empty, error) {
 	s.mu.Lock()
-	n := len(s.adopted)
+	n, grouped := len(s.adopted), s.group != nil
 	s.mu.Unlock()
+	if grouped {
+		s.idle(0)
+		return &emptypb.Empty{}, nil
+	}
 	if n > 0 {
 		return &emptypb.Empty{}, nil
 	}

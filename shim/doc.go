@@ -10,6 +10,11 @@
 // shim binary at start (Kata Containers with Firecracker, say): that shim's address is
 // returned to containerd, which then talks to it directly, and delete is forwarded.
 //
+// Containers annotated with dev.tidepool.shim-group (warm pool members) share one shim
+// process per group, as containerd's runc shim shares one per pod; unlike runc's, a
+// group's shim outlives its last container by a grace period and never leaves while a
+// start that was handed its address is on its way (group.go).
+//
 // The shim is built on pkg/shim RunShim and the bootstrap protocol, so it needs
 // containerd 2.3 or newer.
 package shim

@@ -85,6 +85,13 @@ func (m *Manager) Start(ctx context.Context, params *bootapi.BootstrapParams) (*
 	if route.Kind == KindShim {
 		return startDelegate(ctx, rec, params)
 	}
+	group, grace, err := groupName(spec.Annotations)
+	if err != nil {
+		return nil, err
+	}
+	if group != "" {
+		return m.startGrouped(ctx, params, group, grace)
+	}
 	return m.runc.Start(ctx, params)
 }
 

@@ -54,7 +54,7 @@ func RegisterTaskPlugin() {
 			if err != nil {
 				return nil, err
 			}
-			return &TaskService{TTRPCTaskService: local, publisher: pp.(shim.Publisher)}, nil
+			return &TaskService{TTRPCTaskService: local, publisher: pp.(shim.Publisher), self: selfAddress()}, nil
 		},
 	})
 }
@@ -69,6 +69,13 @@ type TaskService struct {
 	clients map[string]*localapi.Client // by API address
 	bundles map[string]string           // container id -> bundle, for Delete
 	adopted map[string]*adoptedTask     // containers running in warm pool members
+
+	// A grouped shim (group.go) serves many pool members and leaves on its own.
+	self      string     // this shim's address
+	group     *shimGroup // nil: not grouped
+	inflight  int        // creates under way
+	exiting   bool
+	idleTimer *time.Timer
 }
 
 func (s *TaskService) bundle(id string) (string, bool) {
@@ -86,10 +93,29 @@ func (s *TaskService) RegisterTTRPC(server *ttrpc.Server) error {
 
 // Create routes, normalises the runtime options and binds the requested fork before
 // handing the container to runc.
-func (s *TaskService) Create(ctx context.Context, r *taskapi.CreateTaskRequest) (*taskapi.CreateTaskResponse, error) {
+func (s *TaskService) Create(ctx context.Context, r *taskapi.CreateTaskRequest) (_ *taskapi.CreateTaskResponse, retErr error) {
+	s.mu.Lock()
+	s.inflight++
+	s.mu.Unlock()
+	defer func() {
+		s.mu.Lock()
+		s.inflight--
+		s.mu.Unlock()
+		if retErr != nil {
+			s.idle(time.Second)
+		}
+	}()
 	spec, err := oci.ReadSpec(filepath.Join(r.Bundle, oci.ConfigFilename))
 	if err != nil {
 		return nil, fmt.Errorf("read bundle spec: %w", err)
+	}
+	// First, so that a failing create still leaves a grouped shim to its keep-alive.
+	if group, _, err := groupName(spec.Annotations); err != nil {
+		return nil, err
+	} else if group != "" {
+		if err := s.joinGroup(ctx, r.ID, r.Bundle); err != nil {
+			return nil, err
+		}
 	}
 	cfg, err := LoadConfig(r.Options)
 	if err != nil {
@@ -160,6 +186,7 @@ func (s *TaskService) Delete(ctx context.Context, r *taskapi.DeleteRequest) (*ta
 			s.mu.Lock()
 			delete(s.bundles, r.ID)
 			s.mu.Unlock()
+			s.idle(time.Second)
 		}
 	}
 	return resp, err

