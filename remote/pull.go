@@ -320,10 +320,9 @@ type packItem struct {
 // entries they name are recognised when they come); the rest are skipped. A
 // corrupt entry is refused and counted and stays missing.
 func (p *puller) consume(ctx context.Context, pr *packReader) error {
-	workers := runtime.GOMAXPROCS(0)
-	if workers < 2 {
-		workers = 2
-	}
+	// Writers spend most of their time in file system calls: more of them than
+	// CPUs keeps the CPUs busy.
+	workers := max(4, 2*runtime.GOMAXPROCS(0))
 	work := make(chan packItem, 4*workers)
 	var wg sync.WaitGroup
 	var fatal atomic.Pointer[error]

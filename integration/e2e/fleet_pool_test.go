@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/tidepool-dev/tidepool/casstore"
+	"github.com/tidepool-dev/tidepool/casstore/fsck"
 	"github.com/tidepool-dev/tidepool/casstore/ingest"
 	"github.com/tidepool-dev/tidepool/integration/imagebuild"
 	"github.com/tidepool-dev/tidepool/integration/stack"
@@ -156,7 +157,9 @@ func TestPoolRunRemoteFork(t *testing.T) {
 	if !strings.Contains(s.Daemon.LogTail(200), "conflict ref") {
 		t.Fatalf("no log line for the lost race:\n%s", s.Daemon.LogTail(40))
 	}
-	// Both roots are complete in the bucket.
+	// Both roots are complete in the bucket: each pulls into an empty store that
+	// fsck then finds healthy. (Not this host's store: its FUSE views fetched only
+	// the files the commands read, so objects never read are missing there by design.)
 	for _, h := range []casstore.Hash{root2, conflict.Root} {
 		fresh, err := casstore.Open(filepath.Join(t.TempDir(), "cas"))
 		if err != nil {
@@ -165,11 +168,16 @@ func TestPoolRunRemoteFork(t *testing.T) {
 		if _, err := r.Pull(ctx, fresh, h); err != nil {
 			t.Fatalf("pull %s into an empty store: %v", h, err)
 		}
+		rep, err := fsck.Check(ctx, fresh, nil, fsck.Options{Roots: []casstore.Hash{h}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !rep.Healthy() {
+			t.Fatalf("fsck of %s pulled into an empty store: missing %v, bad %v", h, rep.Missing, rep.Bad)
+		}
 		os.RemoveAll(fresh.Root())
 	}
-	s.MustTidepool(t, "fsck")
-	waitPool(t, s, "box", 1)
-	s.C.LeakCheck(t)
+	waitPool(t, s, "box", 1) // the pool refilled; the stack's cleanup drains it
 }
 
 // lookup finds the object at path under root in s.
