@@ -138,12 +138,17 @@ func (b *Batch) createTemp() (*os.File, error) {
 // PutBytes stages data as an object.
 func (b *Batch) PutBytes(data []byte) (Hash, error) {
 	h := Sum(data)
+	return h, b.putBytes(h, data)
+}
+
+// putBytes stages data, known to hash to h.
+func (b *Batch) putBytes(h Hash, data []byte) error {
 	if b.have(h) {
-		return h, nil
+		return nil
 	}
 	f, err := b.createTemp()
 	if err != nil {
-		return Hash{}, err
+		return err
 	}
 	_, err = f.Write(data)
 	if cerr := f.Close(); err == nil {
@@ -151,10 +156,10 @@ func (b *Batch) PutBytes(data []byte) (Hash, error) {
 	}
 	if err != nil {
 		os.Remove(f.Name())
-		return Hash{}, fmt.Errorf("write object %s: %w", h, err)
+		return fmt.Errorf("write object %s: %w", h, err)
 	}
 	b.stage(h, f.Name(), int64(len(data)))
-	return h, nil
+	return nil
 }
 
 // Put streams r into a staged object, hashing as it writes.

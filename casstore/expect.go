@@ -41,6 +41,5 @@ func (b *Batch) PutBytesExpect(data []byte, want Hash) error {
 	if got := Sum(data); got != want {
 		return &CorruptError{Hash: want, Got: got, Path: "transfer"}
 	}
-	_, err := b.PutBytes(data)
-	return err
+	return b.putBytes(want, data) // hashed once: the check above is the hash
 }

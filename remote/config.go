@@ -23,6 +23,9 @@ type Config struct {
 	Region string `toml:"region" json:"region"`
 	// Concurrency is how many requests a push or pull keeps in flight (0: 32).
 	Concurrency int `toml:"concurrency,omitempty" json:"concurrency,omitempty"`
+	// NoPacks keeps to LunarFS's layout alone: a push writes no pack and a pull reads
+	// none (every object is fetched with its own GET). See pack.go.
+	NoPacks bool `toml:"no_packs,omitempty" json:"no_packs,omitempty"`
 }
 
 // Enabled reports whether a remote is configured.

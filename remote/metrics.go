@@ -19,6 +19,9 @@ type Metrics struct {
 	bytesPushed    atomic.Int64
 	verifyFailures atomic.Int64
 	casConflicts   atomic.Int64
+	packsPushed    atomic.Int64
+	packsFetched   atomic.Int64
+	packFailures   atomic.Int64
 
 	seconds *prometheus.HistogramVec
 	descs   []*prometheus.Desc
@@ -33,6 +36,9 @@ type Stats struct {
 	BytesPushed    int64 `json:"bytes_pushed"`
 	VerifyFailures int64 `json:"verify_failures"`
 	CASConflicts   int64 `json:"cas_conflicts"`
+	PacksPushed    int64 `json:"packs_pushed"`
+	PacksFetched   int64 `json:"packs_fetched"` // read to their end
+	PackFailures   int64 `json:"pack_failures"` // corrupt or truncated: the pull went on object by object
 }
 
 // Sub returns s - t, the traffic between two snapshots.
@@ -41,7 +47,8 @@ func (s Stats) Sub(t Stats) Stats {
 		Requests: s.Requests - t.Requests, ObjectsFetched: s.ObjectsFetched - t.ObjectsFetched,
 		BytesFetched: s.BytesFetched - t.BytesFetched, ObjectsPushed: s.ObjectsPushed - t.ObjectsPushed,
 		BytesPushed: s.BytesPushed - t.BytesPushed, VerifyFailures: s.VerifyFailures - t.VerifyFailures,
-		CASConflicts: s.CASConflicts - t.CASConflicts,
+		CASConflicts: s.CASConflicts - t.CASConflicts, PacksPushed: s.PacksPushed - t.PacksPushed,
+		PacksFetched: s.PacksFetched - t.PacksFetched, PackFailures: s.PackFailures - t.PackFailures,
 	}
 }
 
@@ -50,7 +57,7 @@ func NewMetrics() *Metrics {
 	m := &Metrics{
 		seconds: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Namespace: "tidepool", Subsystem: "remote", Name: "request_duration_seconds",
-			Help:    "Latency of object-store operations by operation (head_blob, get_blob, put_blob, get_ref, put_ref, list_refs, delete_ref) and outcome.",
+			Help:    "Latency of object-store operations by operation (head_blob, get_blob, put_blob, get_pack, put_pack, get_ref, put_ref, list_refs, delete_ref) and outcome.",
 			Buckets: prometheus.ExponentialBuckets(0.0005, 2.5, 14),
 		}, []string{"op", "outcome"}),
 	}
@@ -63,6 +70,7 @@ func (m *Metrics) Snapshot() Stats {
 		Requests: m.requests.Load(), ObjectsFetched: m.objectsFetched.Load(), BytesFetched: m.bytesFetched.Load(),
 		ObjectsPushed: m.objectsPushed.Load(), BytesPushed: m.bytesPushed.Load(),
 		VerifyFailures: m.verifyFailures.Load(), CASConflicts: m.casConflicts.Load(),
+		PacksPushed: m.packsPushed.Load(), PacksFetched: m.packsFetched.Load(), PackFailures: m.packFailures.Load(),
 	}
 }
 
@@ -100,6 +108,9 @@ func (m *Metrics) counters() []counter {
 		{"objects_pushed_total", "Objects uploaded to the object store.", &m.objectsPushed},
 		{"bytes_pushed_total", "Bytes uploaded to the object store.", &m.bytesPushed},
 		{"verify_failures_total", "Fetched objects refused because their bytes did not hash to their name.", &m.verifyFailures},
+		{"packs_pushed_total", "Packs (one object holding what a push uploaded) written beside the blobs.", &m.packsPushed},
+		{"packs_fetched_total", "Packs a pull read to their end.", &m.packsFetched},
+		{"pack_failures_total", "Packs a pull could not use to their end (corrupt or truncated); it fetched the rest object by object.", &m.packFailures},
 		{"cas_conflicts_total", "Ref compare-and-swaps lost to a concurrent writer (a conflict ref was written).", &m.casConflicts},
 	}
 }

@@ -2,19 +2,30 @@ package remote
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"runtime"
 	"sync"
 	"sync/atomic"
 
+	"github.com/containerd/errdefs"
 	"github.com/containerd/log"
 	"golang.org/x/sync/errgroup"
 
 	"github.com/tidepool-dev/tidepool/casstore"
 )
 
-// commitEvery is how many fetched objects a pull stages before it publishes them, so
-// an interrupted pull keeps most of its work and a re-run fetches only the rest.
-const commitEvery = 1024
+const (
+	// commitEvery is how many fetched objects a pull stages before it publishes them,
+	// so an interrupted pull keeps most of its work and a re-run fetches only the rest.
+	commitEvery = 2048
+	// bigEntry is the size above which a pack entry is streamed into the store by
+	// the reader instead of being read into memory and handed to a writer.
+	bigEntry = 4 << 20
+	// packWorthBlobs is how many missing objects (with no missing tree among them)
+	// make a pack worth its GET; fewer are fetched one by one.
+	packWorthBlobs = 64
+)
 
 // PullResult counts a pull.
 type PullResult struct {
@@ -23,36 +34,43 @@ type PullResult struct {
 	Bytes    int64         `json:"bytes"`
 	Present  int64         `json:"present"` // objects the store already had
 	Requests int64         `json:"requests"`
+	Packs    int64         `json:"packs"` // packs read to their end
 }
 
-// Pull makes root complete in the local store: it walks root's trees (local ones
-// from disk, missing ones from the bucket) and fetches every missing object in
-// parallel. Each object is hashed while it is staged and refused if it does not
-// match its name; staged objects are published in batches through the store's
-// durable write path, so an interruption leaves whole objects only.
+// Pull makes root complete in the local store. It walks root through the local
+// store to find what is missing; if that is much, it streams root's pack (one GET,
+// see pack.go) and the packs of the roots it was diffed against, storing each
+// entry the walk needs once its bytes hash to its name; whatever is still missing
+// (no pack, a corrupt or truncated one, objects the packs do not hold) is fetched
+// object by object, in parallel. Every object is verified before it is staged, and
+// staged objects are published in batches through the store's durable write path
+// while the pull goes on, so an interruption leaves whole objects only and a re-run
+// fetches just the rest.
 func (r *Remote) Pull(ctx context.Context, store *casstore.Store, root casstore.Hash) (PullResult, error) {
 	before := r.metrics.Snapshot()
 	st, err := newStager(store)
 	if err != nil {
 		return PullResult{Root: root}, err
 	}
-	p := &puller{r: r, s: store, st: st, sem: make(chan struct{}, r.conc), seen: map[objKey]bool{}}
+	p := &puller{r: r, s: store, st: st, sem: make(chan struct{}, r.conc),
+		seen: map[objKey]bool{}, missing: map[objKey]bool{}, inflight: map[casstore.Hash]bool{}}
 	g, gctx := errgroup.WithContext(ctx)
-	p.g = g
-	p.seen[objKey{root, true}] = true
-	g.Go(func() error { return p.tree(gctx, root) })
-	err = g.Wait()
-	if err == nil {
-		err = st.commit()
-	} else {
-		st.abortPending()
+	p.g, p.gctx = g, gctx
+	err = p.run(ctx, root)
+	if werr := g.Wait(); err == nil {
+		err = werr
 	}
+	if cerr := st.finish(); err == nil {
+		err = cerr
+	}
+	after := r.metrics.Snapshot().Sub(before)
 	res := PullResult{Root: root, Objects: p.objects.Load(), Bytes: p.bytes.Load(), Present: p.present.Load(),
-		Requests: r.metrics.Snapshot().Sub(before).Requests}
+		Requests: after.Requests, Packs: after.PacksFetched}
 	if err != nil {
 		return res, fmt.Errorf("pull %s from %s: %w", root, r.loc.url, err)
 	}
-	log.G(ctx).WithFields(log.Fields{"remote": r.loc.url, "root": root, "objects": res.Objects, "bytes": res.Bytes}).Debug("pulled")
+	log.G(ctx).WithFields(log.Fields{"remote": r.loc.url, "root": root, "objects": res.Objects, "bytes": res.Bytes,
+		"packs": res.Packs}).Debug("pulled")
 	return res, nil
 }
 
@@ -63,27 +81,123 @@ func (r *Remote) Hydrate(ctx context.Context, store *casstore.Store, root cassto
 	return err
 }
 
+// puller is one pull's state. Every object it meets is in seen; those neither local
+// nor fetched yet are in missing. Until direct is set (the pack phase) a missing
+// object just waits there for a pack entry; after it, it is fetched at once.
 type puller struct {
-	r   *Remote
-	s   *casstore.Store
-	st  *stager
-	sem chan struct{}
-	g   *errgroup.Group
+	r    *Remote
+	s    *casstore.Store
+	st   *stager
+	sem  chan struct{}
+	g    *errgroup.Group
+	gctx context.Context
 
-	mu   sync.Mutex
-	seen map[objKey]bool
+	mu       sync.Mutex
+	seen     map[objKey]bool
+	missing  map[objKey]bool
+	inflight map[casstore.Hash]bool // pack entries being stored
+	direct   bool
 
 	objects, bytes, present atomic.Int64
 }
 
-func (p *puller) first(k objKey) bool {
+func (p *puller) run(ctx context.Context, root casstore.Hash) error {
+	if err := p.visit(ctx, objKey{root, true}); err != nil {
+		return err
+	}
+	if !p.r.noPacks {
+		if err := p.packs(ctx, root); err != nil {
+			return err
+		}
+	}
 	p.mu.Lock()
-	defer p.mu.Unlock()
+	p.direct = true
+	rest := make([]objKey, 0, len(p.missing))
+	for k := range p.missing {
+		rest = append(rest, k)
+	}
+	p.mu.Unlock()
+	for _, k := range rest {
+		p.fetch(k)
+	}
+	return nil
+}
+
+// visit meets object k: present locally (a tree is then walked from disk), or
+// missing.
+func (p *puller) visit(ctx context.Context, k objKey) error {
+	p.mu.Lock()
 	if p.seen[k] {
-		return false
+		p.mu.Unlock()
+		return nil
 	}
 	p.seen[k] = true
-	return true
+	p.mu.Unlock()
+	ok, err := p.local(k.h)
+	if err != nil {
+		return err
+	}
+	if ok {
+		p.present.Add(1)
+		if !k.tree || k.h == casstore.EmptyHash {
+			return nil
+		}
+		t, err := p.s.ReadTree(k.h)
+		if err != nil {
+			return err
+		}
+		return p.expand(ctx, t)
+	}
+	p.mu.Lock()
+	p.missing[k] = true
+	direct := p.direct
+	p.mu.Unlock()
+	if direct {
+		p.fetch(k)
+	}
+	return nil
+}
+
+func (p *puller) expand(ctx context.Context, t casstore.Tree) error {
+	for _, e := range t {
+		if err := p.visit(ctx, objKey{e.Hash, e.Mode.IsDir()}); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// local reports whether the store has h; H("") is stored without a request.
+func (p *puller) local(h casstore.Hash) (bool, error) {
+	ok, err := p.s.Has(h)
+	if err != nil || ok {
+		return ok, err
+	}
+	if h == casstore.EmptyHash {
+		return true, p.st.do(0, func(b *casstore.Batch) error { _, err := b.PutBytes(nil); return err })
+	}
+	return false, nil
+}
+
+// got records object h as stored by this pull and walks it if it is a wanted tree.
+func (p *puller) got(ctx context.Context, h casstore.Hash, data []byte, n int64) error {
+	p.mu.Lock()
+	tk := objKey{h, true}
+	wantTree := p.missing[tk]
+	delete(p.missing, tk)
+	delete(p.missing, objKey{h, false})
+	delete(p.inflight, h)
+	p.mu.Unlock()
+	p.objects.Add(1)
+	p.bytes.Add(n)
+	if !wantTree || h == casstore.EmptyHash {
+		return nil
+	}
+	t, err := casstore.DecodeTree(data)
+	if err != nil {
+		return fmt.Errorf("tree %s: %w", h, err)
+	}
+	return p.expand(ctx, t)
 }
 
 func (p *puller) acquire(ctx context.Context) error {
@@ -97,117 +211,299 @@ func (p *puller) acquire(ctx context.Context) error {
 
 func (p *puller) release() { <-p.sem }
 
-// local reports whether the store has h; H("") is stored without a request.
-func (p *puller) local(h casstore.Hash) (bool, error) {
-	ok, err := p.s.Has(h)
-	if err != nil || ok {
-		return ok, err
-	}
-	if h == casstore.EmptyHash {
-		return true, p.st.do(func(b *casstore.Batch) error { _, err := b.PutBytes(nil); return err })
-	}
-	return false, nil
-}
-
-func (p *puller) tree(ctx context.Context, h casstore.Hash) error {
-	t, err := p.loadTree(ctx, h)
-	if err != nil {
-		return err
-	}
-	for _, e := range t {
-		if !p.first(objKey{e.Hash, e.Mode.IsDir()}) {
-			continue
-		}
-		if e.Mode.IsDir() {
-			p.g.Go(func() error { return p.tree(ctx, e.Hash) })
-			continue
-		}
-		ok, err := p.local(e.Hash)
-		if err != nil {
-			return err
-		}
-		if ok {
-			p.present.Add(1)
-			continue
-		}
+// fetch GETs object k on its own, in the background.
+func (p *puller) fetch(k objKey) {
+	ctx := p.gctx
+	p.g.Go(func() error {
 		if err := p.acquire(ctx); err != nil {
 			return err
 		}
-		p.g.Go(func() error {
-			defer p.release()
-			return p.blob(ctx, e.Hash)
+		if k.tree {
+			b, err := p.r.fetchBytes(ctx, k.h, maxTreeSize)
+			p.release()
+			if err != nil {
+				return err
+			}
+			if err := p.st.do(int64(len(b)), func(bt *casstore.Batch) error { return bt.PutBytesExpect(b, k.h) }); err != nil {
+				return err
+			}
+			return p.got(ctx, k.h, b, int64(len(b)))
+		}
+		defer p.release()
+		rc, err := p.r.Fetch(ctx, k.h)
+		if err != nil {
+			return err
+		}
+		defer rc.Close()
+		var n int64
+		err = p.st.do(0, func(b *casstore.Batch) error {
+			var err error
+			n, err = b.PutExpect(rc, k.h)
+			return err
 		})
-	}
-	return nil
-}
-
-func (p *puller) loadTree(ctx context.Context, h casstore.Hash) (casstore.Tree, error) {
-	ok, err := p.local(h)
-	if err != nil {
-		return nil, err
-	}
-	if ok {
-		p.present.Add(1)
-		return p.s.ReadTree(h)
-	}
-	if err := p.acquire(ctx); err != nil {
-		return nil, err
-	}
-	b, err := p.r.fetchBytes(ctx, h, maxTreeSize)
-	p.release()
-	if err != nil {
-		return nil, err
-	}
-	t, err := casstore.DecodeTree(b)
-	if err != nil {
-		return nil, fmt.Errorf("tree %s: %w", h, err)
-	}
-	if err := p.st.do(func(b2 *casstore.Batch) error { return b2.PutBytesExpect(b, h) }); err != nil {
-		return nil, err
-	}
-	p.objects.Add(1)
-	p.bytes.Add(int64(len(b)))
-	return t, nil
-}
-
-func (p *puller) blob(ctx context.Context, h casstore.Hash) error {
-	rc, err := p.r.Fetch(ctx, h)
-	if err != nil {
-		return err
-	}
-	defer rc.Close()
-	var n int64
-	err = p.st.do(func(b *casstore.Batch) error {
-		var err error
-		n, err = b.PutExpect(rc, h)
-		return err
+		if err != nil {
+			return err
+		}
+		return p.got(ctx, k.h, nil, n)
 	})
-	if err != nil {
-		return err
+}
+
+// worthPack says whether what is missing is worth a pack's GET: a missing tree
+// (its subtree is unknown, likely large) or many objects.
+func (p *puller) worthPack() bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if len(p.missing) >= packWorthBlobs {
+		return true
 	}
-	p.objects.Add(1)
-	p.bytes.Add(n)
+	for k := range p.missing {
+		if k.tree {
+			return true
+		}
+	}
+	return false
+}
+
+// packs reads root's pack and then the packs of the roots it was diffed against,
+// while they still hold what is missing. A pack that cannot be used is logged and
+// counted and ends the chain; only local failures (the store) fail the pull.
+func (p *puller) packs(ctx context.Context, root casstore.Hash) error {
+	want := root
+	for depth := 0; depth < maxPackChain && p.worthPack(); depth++ {
+		pr, err := p.r.openPack(ctx, want)
+		if err != nil {
+			if ctx.Err() != nil {
+				return ctx.Err()
+			}
+			if errdefs.IsNotFound(err) {
+				log.G(ctx).WithFields(log.Fields{"remote": p.r.loc.url, "pack": p.r.PackKey(want)}).Debug("no pack")
+			} else {
+				p.r.packFailed(ctx, want, err)
+			}
+			return nil
+		}
+		err = p.consume(ctx, pr)
+		pr.Close()
+		var se storeError
+		switch {
+		case errors.As(err, &se):
+			return se.err
+		case err != nil:
+			if ctx.Err() != nil {
+				return ctx.Err()
+			}
+			p.r.packFailed(ctx, want, err)
+			return nil
+		}
+		p.r.metrics.packsFetched.Add(1)
+		if pr.head.base.IsZero() {
+			return nil
+		}
+		want = pr.head.base
+	}
 	return nil
 }
 
-// stager spreads a pull's writes over a sequence of batches, publishing one every
-// commitEvery objects. Writers share the current batch; a rotation waits for them.
-type stager struct {
-	s  *casstore.Store
-	mu sync.RWMutex
-	b  *casstore.Batch
-	n  atomic.Int64
+// storeError is a failure of the local store during a pack's read: it fails the
+// pull, where a bad pack only ends the pack phase.
+type storeError struct{ err error }
+
+func (e storeError) Error() string { return e.err.Error() }
+
+type packItem struct {
+	h    casstore.Hash
+	data []byte
 }
+
+// consume reads one pack to its end. Entries the walk needs are verified and staged
+// (small ones by writers in parallel, trees verified and walked at once so the
+// entries they name are recognised when they come); the rest are skipped. A
+// corrupt entry is refused and counted and stays missing.
+func (p *puller) consume(ctx context.Context, pr *packReader) error {
+	// Writers spend most of their time in file system calls: more of them than
+	// CPUs keeps the CPUs busy.
+	workers := max(4, 2*runtime.GOMAXPROCS(0))
+	work := make(chan packItem, 4*workers)
+	var wg sync.WaitGroup
+	var fatal atomic.Pointer[error]
+	setFatal := func(err error) { fatal.CompareAndSwap(nil, &err) }
+	for w := 0; w < workers; w++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for it := range work {
+				if fatal.Load() != nil {
+					p.unclaim(it.h)
+					continue
+				}
+				err := p.st.do(int64(len(it.data)), func(b *casstore.Batch) error { return b.PutBytesExpect(it.data, it.h) })
+				var ce *casstore.CorruptError
+				switch {
+				case errors.As(err, &ce):
+					p.refuse(ctx, pr, it.h, ce)
+				case err != nil:
+					p.unclaim(it.h)
+					setFatal(err)
+				default:
+					if err := p.packGot(ctx, it.h, nil, int64(len(it.data))); err != nil {
+						setFatal(err)
+					}
+				}
+			}
+		}()
+	}
+	err := p.readEntries(ctx, pr, work, fatal.Load)
+	close(work)
+	wg.Wait()
+	if f := fatal.Load(); f != nil {
+		return storeError{*f}
+	}
+	return err
+}
+
+func (p *puller) readEntries(ctx context.Context, pr *packReader, work chan<- packItem, fatal func() *error) error {
+	for {
+		if fatal() != nil {
+			return nil
+		}
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+		h, n, ok, err := pr.next()
+		if err != nil || !ok {
+			return err
+		}
+		wantTree, want := p.claim(h)
+		if !want {
+			if err := pr.skip(n); err != nil {
+				return err
+			}
+			continue
+		}
+		if n > bigEntry {
+			start := pr.read
+			err := p.st.do(0, func(b *casstore.Batch) error { _, err := b.PutExpect(pr.stream(n), h); return err })
+			var ce *casstore.CorruptError
+			switch {
+			case pr.read-start < n:
+				p.unclaim(h)
+				return pr.short(fmt.Errorf("entry %s: %w", h, errors.Join(err, errors.New("unexpected EOF"))))
+			case errors.As(err, &ce):
+				p.refuse(ctx, pr, h, ce)
+				continue
+			case err != nil:
+				p.unclaim(h)
+				return storeError{err}
+			}
+			if err := p.packGot(ctx, h, nil, n); err != nil {
+				return storeError{err}
+			}
+			continue
+		}
+		data, err := pr.bytes(n)
+		if err != nil {
+			p.unclaim(h)
+			return err
+		}
+		if !wantTree {
+			work <- packItem{h, data}
+			continue
+		}
+		// A tree is verified and walked here, before the entries it names are read.
+		if got := casstore.Sum(data); got != h {
+			p.refuse(ctx, pr, h, &casstore.CorruptError{Hash: h, Got: got, Path: pr.key})
+			continue
+		}
+		if err := p.st.do(n, func(b *casstore.Batch) error { return b.PutBytesExpect(data, h) }); err != nil {
+			p.unclaim(h)
+			return storeError{err}
+		}
+		if err := p.packGot(ctx, h, data, n); err != nil {
+			return storeError{err}
+		}
+	}
+}
+
+// packGot is got for an object read from a pack, counted as fetched.
+func (p *puller) packGot(ctx context.Context, h casstore.Hash, data []byte, n int64) error {
+	p.r.metrics.objectsFetched.Add(1)
+	p.r.metrics.bytesFetched.Add(n)
+	return p.got(ctx, h, data, n)
+}
+
+// claim reports whether pack entry h is wanted (and as a tree), and marks it as
+// being stored.
+func (p *puller) claim(h casstore.Hash) (tree, want bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.inflight[h] {
+		return false, false
+	}
+	tree = p.missing[objKey{h, true}]
+	want = tree || p.missing[objKey{h, false}]
+	if want {
+		p.inflight[h] = true
+	}
+	return tree, want
+}
+
+func (p *puller) unclaim(h casstore.Hash) {
+	p.mu.Lock()
+	delete(p.inflight, h)
+	p.mu.Unlock()
+}
+
+// refuse drops a pack entry whose bytes do not hash to its name: counted, logged,
+// never stored; the object stays missing and is fetched on its own.
+func (p *puller) refuse(ctx context.Context, pr *packReader, h casstore.Hash, ce *casstore.CorruptError) {
+	p.unclaim(h)
+	p.r.metrics.verifyFailures.Add(1)
+	log.G(ctx).WithFields(log.Fields{"remote": p.r.loc.url, "pack": pr.key, "object": h, "got": ce.Got}).
+		Warn("refused a pack entry whose bytes do not hash to its name; fetching the object on its own")
+}
+
+// stager spreads a pull's writes over a sequence of batches: every commitEvery
+// objects (or commitBytes) the current batch is handed to a committer that
+// publishes it (one sync for the batch, then the renames) while the pull goes on
+// staging into the next one. Writers share the current batch; a rotation waits for
+// them.
+type stager struct {
+	s     *casstore.Store
+	mu    sync.RWMutex
+	b     *casstore.Batch
+	n     atomic.Int64
+	bytes atomic.Int64
+	q     chan *casstore.Batch
+	done  chan struct{}
+	err   error // first commit failure; read after done
+}
+
+// commitBytes is the staged size at which a batch is published early.
+const commitBytes = 64 << 20
 
 func newStager(s *casstore.Store) (*stager, error) {
 	b, err := s.Begin()
 	if err != nil {
 		return nil, err
 	}
-	return &stager{s: s, b: b}, nil
+	st := &stager{s: s, b: b, q: make(chan *casstore.Batch, 1), done: make(chan struct{})}
+	go st.committer()
+	return st, nil
 }
 
-func (st *stager) do(fn func(*casstore.Batch) error) error {
+func (st *stager) committer() {
+	defer close(st.done)
+	for b := range st.q {
+		// After a failure later batches are still published: they hold whole,
+		// verified objects, which a re-run then need not fetch.
+		if err := b.Commit(); err != nil && st.err == nil {
+			st.err = err
+		}
+	}
+}
+
+// do runs fn on the current batch; size is what fn stages, if known (0: unknown).
+func (st *stager) do(size int64, fn func(*casstore.Batch) error) error {
 	st.mu.RLock()
 	b := st.b
 	var err error
@@ -220,7 +516,7 @@ func (st *stager) do(fn func(*casstore.Batch) error) error {
 	if err != nil {
 		return err
 	}
-	if st.n.Add(1)%commitEvery == 0 {
+	if st.n.Add(1)%commitEvery == 0 || st.bytes.Add(size) >= commitBytes {
 		return st.rotate()
 	}
 	return nil
@@ -228,41 +524,33 @@ func (st *stager) do(fn func(*casstore.Batch) error) error {
 
 func (st *stager) rotate() error {
 	st.mu.Lock()
-	defer st.mu.Unlock()
-	if err := st.commitLocked(); err != nil {
-		return err
-	}
-	var err error
-	st.b, err = st.s.Begin()
-	return err
-}
-
-func (st *stager) commit() error {
-	st.mu.Lock()
-	defer st.mu.Unlock()
-	return st.commitLocked()
-}
-
-func (st *stager) commitLocked() error {
-	if st.b == nil {
+	old := st.b
+	if old == nil {
+		st.mu.Unlock()
 		return fmt.Errorf("store batch unavailable after an earlier failure")
 	}
-	err := st.b.Commit()
-	st.b = nil
+	st.bytes.Store(0)
+	nb, err := st.s.Begin()
+	st.b = nb
+	st.mu.Unlock()
+	st.q <- old
 	return err
 }
 
-// abortPending publishes what was fetched and verified before a failure, so a re-run
-// resumes, and drops nothing half-written: staged objects are whole by construction.
-func (st *stager) abortPending() {
+// finish publishes what is staged, waits for every batch to be published and
+// returns the first failure. Staged objects are whole and verified, so they are
+// published after a failed pull too: a re-run resumes instead of starting over.
+func (st *stager) finish() error {
 	st.mu.Lock()
-	defer st.mu.Unlock()
-	if st.b != nil {
-		if err := st.b.Commit(); err != nil {
-			st.b.Abort()
-		}
-		st.b = nil
+	old := st.b
+	st.b = nil
+	st.mu.Unlock()
+	if old != nil {
+		st.q <- old
 	}
+	close(st.q)
+	<-st.done
+	return st.err
 }
 
 // FetchInto makes one object local: fetched, verified and stored durably unless the

@@ -72,8 +72,15 @@ func (r *Remote) Push(ctx context.Context, store *casstore.Store, root casstore.
 			base = casstore.Hash{}
 		}
 	}
-	up, err := r.Upload(ctx, store, root, base)
+	up, err := r.upload(ctx, store, root, base)
 	res.Objects, res.Bytes = up.Objects, up.Bytes
+	if err == nil && len(up.uploaded) > 0 && !r.noPacks {
+		// Before the ref moves, so a pull by the ref finds it. Only a hint: a push
+		// whose pack failed is still whole, and pulls fetch object by object.
+		if perr := r.writePack(ctx, store, root, base, up.uploaded); perr != nil {
+			log.G(ctx).WithFields(log.Fields{"remote": r.loc.url, "pack": r.PackKey(root)}).WithError(perr).Warn("pack not written")
+		}
+	}
 	if err != nil || opts.Ref == "" {
 		return finish(err)
 	}
@@ -102,15 +109,26 @@ type UploadResult struct {
 // bucket always implies its whole subtree's. Subtrees the bucket holds are skipped
 // with one HEAD; entries equal to those of base (a root complete in the bucket, or
 // zero) at the same path cost no request at all.
+// Upload writes no pack (Push does).
 func (r *Remote) Upload(ctx context.Context, store *casstore.Store, root, base casstore.Hash) (UploadResult, error) {
+	up, err := r.upload(ctx, store, root, base)
+	return up.UploadResult, err
+}
+
+type uploadResult struct {
+	UploadResult
+	uploaded map[casstore.Hash]bool // object -> is a tree
+}
+
+func (r *Remote) upload(ctx context.Context, store *casstore.Store, root, base casstore.Hash) (uploadResult, error) {
 	if ok, err := store.Has(root); err != nil {
-		return UploadResult{}, err
+		return uploadResult{}, err
 	} else if !ok && root != casstore.EmptyHash {
-		return UploadResult{}, fmt.Errorf("root %s is not in the store %s: %w", root, store.Root(), errdefs.ErrNotFound)
+		return uploadResult{}, fmt.Errorf("root %s is not in the store %s: %w", root, store.Root(), errdefs.ErrNotFound)
 	}
-	u := &uploader{r: r, s: store, sem: make(chan struct{}, r.conc), calls: map[objKey]*call{}}
+	u := &uploader{r: r, s: store, sem: make(chan struct{}, r.conc), calls: map[objKey]*call{}, uploaded: map[casstore.Hash]bool{}}
 	err := u.tree(ctx, root, base)
-	return UploadResult{Objects: u.objects.Load(), Bytes: u.bytes.Load()}, err
+	return uploadResult{UploadResult{Objects: u.objects.Load(), Bytes: u.bytes.Load()}, u.uploaded}, err
 }
 
 type objKey struct {
@@ -128,8 +146,9 @@ type uploader struct {
 	s   *casstore.Store
 	sem chan struct{}
 
-	mu    sync.Mutex
-	calls map[objKey]*call
+	mu       sync.Mutex
+	calls    map[objKey]*call
+	uploaded map[casstore.Hash]bool // what this upload wrote (-> is a tree), for the pack
 
 	objects, bytes atomic.Int64
 }
@@ -181,17 +200,20 @@ func (u *uploader) blob(ctx context.Context, h casstore.Hash) error {
 		}
 		defer u.release()
 		if h == casstore.EmptyHash {
-			return u.count(0, u.r.putBytes(ctx, h, nil))
+			return u.count(h, false, 0, u.r.putBytes(ctx, h, nil))
 		}
 		n, err := u.r.putBlob(ctx, u.s, h)
-		return u.count(n, err)
+		return u.count(h, false, n, err)
 	})
 }
 
-func (u *uploader) count(n int64, err error) error {
+func (u *uploader) count(h casstore.Hash, tree bool, n int64, err error) error {
 	if err == nil {
 		u.objects.Add(1)
 		u.bytes.Add(n)
+		u.mu.Lock()
+		u.uploaded[h] = u.uploaded[h] || tree
+		u.mu.Unlock()
 	}
 	return err
 }
@@ -242,7 +264,7 @@ func (u *uploader) tree(ctx context.Context, h, old casstore.Hash) error {
 			return err
 		}
 		defer u.release()
-		return u.count(int64(len(data)), u.r.putBytes(ctx, h, data))
+		return u.count(h, true, int64(len(data)), u.r.putBytes(ctx, h, data))
 	})
 }
 

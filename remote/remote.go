@@ -28,6 +28,7 @@ type Remote struct {
 	loc     location
 	core    minio.Core
 	conc    int
+	noPacks bool
 	metrics *Metrics
 }
 
@@ -68,7 +69,7 @@ func Open(cfg Config) (*Remote, error) {
 	if err != nil {
 		return nil, fmt.Errorf("remote %s: %w", loc.url, err)
 	}
-	return &Remote{loc: loc, core: minio.Core{Client: c}, conc: conc, metrics: m}, nil
+	return &Remote{loc: loc, core: minio.Core{Client: c}, conc: conc, noPacks: cfg.NoPacks, metrics: m}, nil
 }
 
 // String names the remote (s3://BUCKET/PREFIX/) for messages.

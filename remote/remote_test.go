@@ -40,6 +40,17 @@ func openRemote(t *testing.T, srv *s3test.Server, conc int) *remote.Remote {
 	return r
 }
 
+// openRemoteNoPacks opens the remote in LunarFS's layout alone: no packs written or
+// read, every object its own request.
+func openRemoteNoPacks(t *testing.T, srv *s3test.Server, conc int) *remote.Remote {
+	t.Helper()
+	r, err := remote.Open(remote.Config{URL: "s3://" + srv.Bucket + "/" + prefix, Endpoint: srv.Endpoint(), Concurrency: conc, NoPacks: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return r
+}
+
 func newStore(t *testing.T) *casstore.Store {
 	t.Helper()
 	s, err := casstore.Open(filepath.Join(t.TempDir(), "cas"))
@@ -270,6 +281,17 @@ func TestBucketLayout(t *testing.T) {
 				t.Fatalf("blob %q differs from the local object", k)
 			}
 			blobs++
+		case rest == "packs/"+root.String():
+			// Beside the layout: the push's pack (pack.go), holding the same 5 objects.
+			head, ents := parsePack(t, body)
+			if head.root != root || !head.base.IsZero() || len(ents) != 5 {
+				t.Fatalf("pack %q: root %s base %s, %d entries; want root, no base, 5", k, head.root, head.base, len(ents))
+			}
+			for h, b := range ents {
+				if local, _ := os.ReadFile(s.Path(h)); !bytes.Equal(local, b) {
+					t.Fatalf("pack entry %s differs from the local object", h)
+				}
+			}
 		case rest == "ref/dev":
 			if want := `{"root":"` + root.String() + `"}`; string(body) != want {
 				t.Fatalf("ref body %q, want exactly %q", body, want)
@@ -278,8 +300,8 @@ func TestBucketLayout(t *testing.T) {
 			t.Fatalf("unexpected key %q", k)
 		}
 	}
-	if blobs != 5 || len(keys) != 6 {
-		t.Fatalf("bucket holds %v; want 5 blobs and ref/dev", keys)
+	if blobs != 5 || len(keys) != 7 {
+		t.Fatalf("bucket holds %v; want 5 blobs, ref/dev and the pack", keys)
 	}
 	res, err = r.Push(ctx, s, root, remote.PushOptions{})
 	if err != nil || res.Objects != 0 {
@@ -397,7 +419,7 @@ func TestPullInterrupted(t *testing.T) {
 		t.Fatal(err)
 	}
 	b := newStore(t)
-	r := openRemote(t, srv, 2)
+	r := openRemoteNoPacks(t, srv, 2) // the per-object path; pack_test.go interrupts a pack
 	done := make(chan error, 1)
 	go func() { _, err := r.Pull(ctx, b, root); done <- err }()
 	for r.Metrics().Snapshot().ObjectsFetched < 200 {
@@ -444,6 +466,8 @@ func TestCorruptObjectRefused(t *testing.T) {
 	victim := casstore.Sum([]byte("deep\n"))
 	evil := []byte("evil\n")
 	putRaw(t, srv, r.BlobKey(victim), evil)
+	// Object by object (a pack holds the right bytes; pack_test.go corrupts one).
+	r = openRemoteNoPacks(t, srv, 4)
 	b := newStore(t)
 	_, err := r.Pull(ctx, b, root)
 	if !errdefs.IsDataLoss(err) {

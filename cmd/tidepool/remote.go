@@ -32,6 +32,7 @@ func (rf *remoteFlags) register(f *pflag.FlagSet) {
 	f.StringVar(&rf.cfg.URL, "remote", os.Getenv("TIDEPOOL_REMOTE"), "remote bucket s3://BUCKET/PREFIX for push, pull and refs (default $TIDEPOOL_REMOTE); credentials from AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY")
 	f.StringVar(&rf.cfg.Endpoint, "remote-endpoint", "", "S3 endpoint for MinIO, R2, RGW: https://HOST[:PORT], or http://HOST:PORT for plain HTTP (default $AWS_ENDPOINT_URL, then $AWS_ENDPOINT, then AWS)")
 	f.StringVar(&rf.cfg.Region, "remote-region", "", "S3 region (default $AWS_REGION, then us-east-1)")
+	f.BoolVar(&rf.cfg.NoPacks, "remote-no-packs", false, "keep to LunarFS's bucket layout alone: push writes no pack (PREFIX/packs/ROOT), pull reads none and fetches every object with its own GET")
 }
 
 func (a *app) openRemote() (*remote.Remote, error) {
@@ -56,7 +57,8 @@ func newPushCommand(a *app) *cobra.Command {
 		Long: `Push uploads every object of ROOT (or FORK's current root) that the remote bucket
 lacks, children before parents, so a tree in the bucket always has its whole subtree
 there; subtrees the bucket holds are skipped, so a push after a small commit costs
-requests in proportion to what changed. With --ref (default: the fork's
+requests in proportion to what changed. The uploaded objects are also written as one
+pack, PREFIX/packs/ROOT, so that a pull can fetch them with one GET. With --ref (default: the fork's
 ` + binding.ForkLabelRemoteRef + ` label) the ref then moves by compare-and-swap: from the root
 given by --expect, or else from the root it had when the push read it. If another
 writer moved it first, the root is kept as the conflict ref NAME@conflict-<8 hex>,
@@ -127,9 +129,12 @@ func newPullCommand(a *app) *cobra.Command {
 		Use:   "pull REF|ROOT [--fork [--label L]]",
 		Short: "Fetch a ref's (or a root's) objects from the remote into the store",
 		Long: `Pull fetches every object of the ref's current root (or ROOT) that the local store
-lacks, in parallel. Each object is hashed before it is stored and refused if its bytes
-do not match its name; objects land whole (temp file, fsync, rename), so an interrupted
-pull keeps what it verified and a re-run fetches only the rest. The root is printed on
+lacks. When much is missing it streams the root's pack (PREFIX/packs/ROOT, written by
+the push beside the blobs) and the packs of the roots that one was diffed against, and
+fetches what they do not hold object by object, in parallel. Each object is hashed
+before it is stored and refused if its bytes do not match its name (a bad pack entry is
+fetched again on its own); objects land whole (temp file, sync, rename), so an
+interrupted pull keeps what it verified and a re-run fetches only the rest. The root is printed on
 stdout. --fork also makes a local fork of it (its id on stdout instead), labelled with
 the ref so that ` + "`tidepool push FORK`" + ` pushes back to it.`,
 		Args: cobra.ExactArgs(1),
@@ -165,8 +170,8 @@ the ref so that ` + "`tidepool push FORK`" + ` pushes back to it.`,
 			if err != nil {
 				return err
 			}
-			fmt.Fprintf(cmd.ErrOrStderr(), "pulled %s from %s: %d objects (%s) fetched, %d present, %s\n", root.Short(), r,
-				res.Objects, humanBytes(res.Bytes), res.Present, time.Since(start).Round(time.Millisecond))
+			fmt.Fprintf(cmd.ErrOrStderr(), "pulled %s from %s: %d objects (%s) fetched, %d present, %d requests (%d packs), %s\n", root.Short(), r,
+				res.Objects, humanBytes(res.Bytes), res.Present, res.Requests, res.Packs, time.Since(start).Round(time.Millisecond))
 			if !makeFork {
 				_, err = fmt.Fprintln(cmd.OutOrStdout(), root)
 				return err
