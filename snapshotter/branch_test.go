@@ -129,7 +129,9 @@ func TestBranchRefusals(t *testing.T) {
 	if _, err := e.sn.Prepare(ctx, "c1", "layer1", labels(binding.LabelFork, root.String())); err != nil {
 		t.Fatal(err)
 	}
-	freezeFails := func(context.Context) (func() error, error) { return nil, fmt.Errorf("no freezer: %w", errdefs.ErrUnavailable) }
+	freezeFails := func(context.Context) (func() error, error) {
+		return nil, fmt.Errorf("no freezer: %w", errdefs.ErrUnavailable)
+	}
 	for _, c := range []struct {
 		req  snapshotter.BranchRequest
 		is   func(error) bool
