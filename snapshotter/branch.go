@@ -66,6 +66,9 @@ type BranchResult struct {
 	// Paused is how long the writers were frozen; Walk how long the walk that read
 	// the changes took (it ends the pause); Total the whole call.
 	Paused, Walk, Total time.Duration
+	// Freeze is how long Freeze took to stop the writers; Publish the time from the
+	// thaw to the records (trees written, objects synced); Record the fork records.
+	Freeze, Publish, Record time.Duration
 	Stats               ingest.Stats
 }
 
@@ -163,19 +166,24 @@ func (s *Snapshotter) Branch(ctx context.Context, req BranchRequest) (_ BranchRe
 			thawFn = nil
 			return BranchResult{}, fmt.Errorf("branch %s: freeze: %w", key, err)
 		}
+		res.Freeze = time.Since(frozenAt)
 	}
 	walkStart := time.Now()
+	var readAt time.Time
 	opts := ingest.Options{
 		Read: func() {
-			res.Walk = time.Since(walkStart)
+			readAt = time.Now()
+			res.Walk = readAt.Sub(walkStart)
 			thaw()
 		},
 		Record: func(root casstore.Hash) error {
 			if thawErr != nil {
 				return fmt.Errorf("resume: %w", thawErr)
 			}
+			recordAt := time.Now()
+			res.Publish = recordAt.Sub(readAt)
 			fs, err := s.forks.CreateAt(ctx, reqs, root, reason)
-			res.Forks = fs
+			res.Forks, res.Record = fs, time.Since(recordAt)
 			return err
 		},
 	}
@@ -187,6 +195,7 @@ func (s *Snapshotter) Branch(ctx context.Context, req BranchRequest) (_ BranchRe
 	s.metrics.branchSeconds.Observe(res.Total.Seconds())
 	s.metrics.branchPausedSeconds.Observe(res.Paused.Seconds())
 	log.G(ctx).WithField("key", key).WithField("root", root.Short()).WithField("forks", len(res.Forks)).
-		WithField("paused", res.Paused).WithField("total", res.Total).Debug("branched snapshot")
+		WithField("paused", res.Paused).WithField("freeze", res.Freeze).WithField("walk", res.Walk).
+		WithField("publish", res.Publish).WithField("record", res.Record).WithField("total", res.Total).Debug("branched snapshot")
 	return res, nil
 }

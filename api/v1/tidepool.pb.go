@@ -1115,10 +1115,17 @@ type ForkContainerResponse struct {
 	Pause string `protobuf:"bytes,8,opt,name=pause,proto3" json:"pause,omitempty"`
 	// paused_ms is how long the task was frozen; walk_ms the walk that read the
 	// changes; total_ms the whole call in tidepoold.
-	PausedMs      float64 `protobuf:"fixed64,9,opt,name=paused_ms,json=pausedMs,proto3" json:"paused_ms,omitempty"`
-	WalkMs        float64 `protobuf:"fixed64,10,opt,name=walk_ms,json=walkMs,proto3" json:"walk_ms,omitempty"`
-	TotalMs       float64 `protobuf:"fixed64,11,opt,name=total_ms,json=totalMs,proto3" json:"total_ms,omitempty"`
-	Files         int64   `protobuf:"varint,12,opt,name=files,proto3" json:"files,omitempty"`
+	PausedMs float64 `protobuf:"fixed64,9,opt,name=paused_ms,json=pausedMs,proto3" json:"paused_ms,omitempty"`
+	WalkMs   float64 `protobuf:"fixed64,10,opt,name=walk_ms,json=walkMs,proto3" json:"walk_ms,omitempty"`
+	TotalMs  float64 `protobuf:"fixed64,11,opt,name=total_ms,json=totalMs,proto3" json:"total_ms,omitempty"`
+	Files    int64   `protobuf:"varint,12,opt,name=files,proto3" json:"files,omitempty"`
+	// The parts of total_ms: finding the container and its snapshot (lookup_ms),
+	// stopping its tasks (freeze_ms, part of paused_ms), writing trees and syncing
+	// objects after the thaw (publish_ms), writing the fork records (record_ms).
+	LookupMs      float64 `protobuf:"fixed64,13,opt,name=lookup_ms,json=lookupMs,proto3" json:"lookup_ms,omitempty"`
+	FreezeMs      float64 `protobuf:"fixed64,14,opt,name=freeze_ms,json=freezeMs,proto3" json:"freeze_ms,omitempty"`
+	PublishMs     float64 `protobuf:"fixed64,15,opt,name=publish_ms,json=publishMs,proto3" json:"publish_ms,omitempty"`
+	RecordMs      float64 `protobuf:"fixed64,16,opt,name=record_ms,json=recordMs,proto3" json:"record_ms,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1233,6 +1240,34 @@ func (x *ForkContainerResponse) GetTotalMs() float64 {
 func (x *ForkContainerResponse) GetFiles() int64 {
 	if x != nil {
 		return x.Files
+	}
+	return 0
+}
+
+func (x *ForkContainerResponse) GetLookupMs() float64 {
+	if x != nil {
+		return x.LookupMs
+	}
+	return 0
+}
+
+func (x *ForkContainerResponse) GetFreezeMs() float64 {
+	if x != nil {
+		return x.FreezeMs
+	}
+	return 0
+}
+
+func (x *ForkContainerResponse) GetPublishMs() float64 {
+	if x != nil {
+		return x.PublishMs
+	}
+	return 0
+}
+
+func (x *ForkContainerResponse) GetRecordMs() float64 {
+	if x != nil {
+		return x.RecordMs
 	}
 	return 0
 }
@@ -2415,7 +2450,7 @@ const file_tidepool_proto_rawDesc = "" +
 	"request_id\x18\a \x01(\tR\trequestId\x1a9\n" +
 	"\vLabelsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xe6\x02\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xdc\x03\n" +
 	"\x15ForkContainerResponse\x12!\n" +
 	"\fcontainer_id\x18\x01 \x01(\tR\vcontainerId\x12\x1c\n" +
 	"\tnamespace\x18\x02 \x01(\tR\tnamespace\x12!\n" +
@@ -2429,7 +2464,12 @@ const file_tidepool_proto_rawDesc = "" +
 	"\awalk_ms\x18\n" +
 	" \x01(\x01R\x06walkMs\x12\x19\n" +
 	"\btotal_ms\x18\v \x01(\x01R\atotalMs\x12\x14\n" +
-	"\x05files\x18\f \x01(\x03R\x05files\"\r\n" +
+	"\x05files\x18\f \x01(\x03R\x05files\x12\x1b\n" +
+	"\tlookup_ms\x18\r \x01(\x01R\blookupMs\x12\x1b\n" +
+	"\tfreeze_ms\x18\x0e \x01(\x01R\bfreezeMs\x12\x1d\n" +
+	"\n" +
+	"publish_ms\x18\x0f \x01(\x01R\tpublishMs\x12\x1b\n" +
+	"\trecord_ms\x18\x10 \x01(\x01R\brecordMs\"\r\n" +
 	"\vInfoRequest\"\x95\x01\n" +
 	"\fInfoResponse\x12\x18\n" +
 	"\aversion\x18\x01 \x01(\tR\aversion\x12\x12\n" +

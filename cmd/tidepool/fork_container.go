@@ -43,6 +43,10 @@ type branchJSON struct {
 	WalkMs      float64       `json:"walk_ms"`
 	TotalMs     float64       `json:"total_ms"`
 	Files       int64         `json:"files"`
+	LookupMs    float64       `json:"lookup_ms"`
+	FreezeMs    float64       `json:"freeze_ms"`
+	PublishMs   float64       `json:"publish_ms"`
+	RecordMs    float64       `json:"record_ms"`
 }
 
 func (a *app) forkContainer(cmd *cobra.Command, req forks.CreateRequest, br branchFlags) error {
@@ -75,6 +79,7 @@ func (a *app) forkContainer(cmd *cobra.Command, req forks.CreateRequest, br bran
 		Container: res.GetContainerId(), Namespace: res.GetNamespace(), SnapshotKey: res.GetSnapshotKey(),
 		ForkID: res.GetForkId(), Base: res.GetBase(), Root: res.GetRoot(), Pause: res.GetPause(),
 		PausedMs: res.GetPausedMs(), WalkMs: res.GetWalkMs(), TotalMs: res.GetTotalMs(), Files: res.GetFiles(),
+		LookupMs: res.GetLookupMs(), FreezeMs: res.GetFreezeMs(), PublishMs: res.GetPublishMs(), RecordMs: res.GetRecordMs(),
 	}
 	for _, p := range res.GetForks() {
 		f, err := localapi.ForkFromProto(p)

@@ -12,6 +12,8 @@ import (
 	"testing"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/tidepool-dev/tidepool/binding"
 	"github.com/tidepool-dev/tidepool/casstore/forks"
 	"github.com/tidepool-dev/tidepool/integration/imagebuild"
@@ -154,8 +156,7 @@ func TestBranchRunningContainer(t *testing.T) {
 		t.Fatal(err)
 	}
 	waitFile(t, s, proot+"/tmp/done")
-	merged := strings.TrimSpace(s.MustTidepool(t, "ingest", proot+"/src"))
-	merged = merged[strings.LastIndex(merged, "\n")+1:]
+	merged := ingestMerged(t, s, proot+"/src")
 	last, _ := os.ReadFile(proot + "/tmp/done")
 	s.MustCtr(t, "task", "kill", "-s", "KILL", "parent")
 	waitTaskGone(t, s, "parent")
@@ -193,6 +194,18 @@ func TestBranchRunningContainer(t *testing.T) {
 		}
 	}
 	waitPool(t, s, "node", 3)
+}
+
+// ingestMerged ingests a container's directory seen through /proc/PID/root (bind
+// mounted first: the CLI resolves a path's symlinks, and /proc/PID/root is one).
+func ingestMerged(t *testing.T, s *stack.Stack, dir string) string {
+	t.Helper()
+	mp := t.TempDir()
+	if err := unix.Mount(dir, mp, "", unix.MS_BIND, ""); err != nil {
+		t.Fatalf("bind %s: %v", dir, err)
+	}
+	defer unix.Unmount(mp, unix.MNT_DETACH)
+	return s.Ingest(t, mp)
 }
 
 // checkBranchTree checks a checked-out branch: the fork's files with the parent's

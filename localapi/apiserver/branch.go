@@ -119,6 +119,7 @@ func (s containersServer) forkContainer(ctx context.Context, r *apiv1.ForkContai
 		return nil, fmt.Errorf("container %s: its rootfs (snapshotter %s) is not a tidepool snapshot: %v: %w", name, c.Snapshotter, err, errdefs.ErrFailedPrecondition)
 	}
 
+	lookup := time.Since(start)
 	s.ctrd.branching.Lock(name)
 	defer s.ctrd.branching.Unlock(name)
 	tr, err := cl.TaskService().Get(cctx, &tasksapi.GetRequest{ContainerID: id})
@@ -176,12 +177,14 @@ func (s containersServer) forkContainer(ctx context.Context, r *apiv1.ForkContai
 		ContainerId: id, Namespace: ns, SnapshotKey: res.Key, ForkId: res.ForkID, Base: res.Base.String(),
 		Root: res.Root.String(), Pause: pause, Files: res.Stats.Files,
 		PausedMs: ms(res.Paused), WalkMs: ms(res.Walk), TotalMs: ms(time.Since(start)),
+		LookupMs: ms(lookup), FreezeMs: ms(res.Freeze), PublishMs: ms(res.Publish), RecordMs: ms(res.Record),
 	}
 	for _, f := range res.Forks {
 		out.Forks = append(out.Forks, localapi.ForkToProto(f))
 	}
 	log.G(ctx).WithField("container", name).WithField("root", res.Root.Short()).WithField("forks", len(res.Forks)).
-		WithField("paused", res.Paused).WithField("pause", pause).Info("branched a running container")
+		WithField("paused", res.Paused).WithField("pause", pause).WithField("lookup", lookup).
+		WithField("total", time.Since(start)).Info("branched a running container")
 	return out, nil
 }
 
