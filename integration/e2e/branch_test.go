@@ -12,8 +12,6 @@ import (
 	"testing"
 	"time"
 
-	"golang.org/x/sys/unix"
-
 	"github.com/tidepool-dev/tidepool/binding"
 	"github.com/tidepool-dev/tidepool/casstore/forks"
 	"github.com/tidepool-dev/tidepool/integration/imagebuild"
@@ -196,16 +194,16 @@ func TestBranchRunningContainer(t *testing.T) {
 	waitPool(t, s, "node", 3)
 }
 
-// ingestMerged ingests a container's directory seen through /proc/PID/root (bind
-// mounted first: the CLI resolves a path's symlinks, and /proc/PID/root is one).
+// ingestMerged ingests a container's directory seen through /proc/PID/root, copied
+// out first (the CLI resolves a path's symlinks, /proc/PID/root is one, and a bind
+// mount of another mount namespace's path is refused).
 func ingestMerged(t *testing.T, s *stack.Stack, dir string) string {
 	t.Helper()
-	mp := t.TempDir()
-	if err := unix.Mount(dir, mp, "", unix.MS_BIND, ""); err != nil {
-		t.Fatalf("bind %s: %v", dir, err)
+	cp := filepath.Join(t.TempDir(), "merged")
+	if out, err := exec.Command("cp", "-a", dir+"/.", cp).CombinedOutput(); err != nil {
+		t.Fatalf("copy %s: %v\n%s", dir, err, out)
 	}
-	defer unix.Unmount(mp, unix.MNT_DETACH)
-	return s.Ingest(t, mp)
+	return s.Ingest(t, cp)
 }
 
 // checkBranchTree checks a checked-out branch: the fork's files with the parent's
