@@ -39,6 +39,69 @@ type Batch struct {
 	pending map[Hash]string   // object -> staged temp file
 	reused  map[Hash]struct{} // objects already stored that the batch relies on
 	done    bool
+	// buffered holds objects kept in memory (see Buffer) until they are staged;
+	// bufLeft is how many more bytes may be.
+	buffered map[Hash][]byte
+	bufLeft  int64
+}
+
+// Buffer makes the batch keep new objects in memory, up to limit bytes in all,
+// instead of staging each as a temp file at once; they are staged by Flush or at
+// Commit. A caller that froze the source it reads (a container being branched)
+// lets it go after reading, not after writing every object.
+func (b *Batch) Buffer(limit int64) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.buffered == nil {
+		b.buffered = map[Hash][]byte{}
+	}
+	b.bufLeft = limit
+}
+
+// buffer keeps data in memory if the buffer has room; it reports whether it did.
+func (b *Batch) buffer(h Hash, data []byte) bool {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.buffered == nil || int64(len(data)) > b.bufLeft || b.done {
+		return false
+	}
+	if _, dup := b.buffered[h]; !dup {
+		b.buffered[h] = append([]byte(nil), data...)
+		b.bufLeft -= int64(len(data))
+	}
+	return true
+}
+
+// Flush stages the objects kept in memory as temp files.
+func (b *Batch) Flush() error {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.flushLocked()
+}
+
+func (b *Batch) flushLocked() error {
+	for h, data := range b.buffered {
+		if _, staged := b.pending[h]; staged {
+			delete(b.buffered, h)
+			continue
+		}
+		f, err := b.createTemp()
+		if err != nil {
+			return err
+		}
+		_, err = f.Write(data)
+		if cerr := f.Close(); err == nil {
+			err = cerr
+		}
+		if err != nil {
+			os.Remove(f.Name())
+			return fmt.Errorf("write object %s: %w", h, err)
+		}
+		b.pending[h] = f.Name()
+		b.bufLeft += int64(len(data))
+		delete(b.buffered, h)
+	}
+	return nil
 }
 
 // Begin starts a batch.
@@ -101,8 +164,9 @@ func (s *Store) lock(how int) (*os.File, error) {
 func (b *Batch) have(h Hash) bool {
 	b.mu.Lock()
 	_, staged := b.pending[h]
+	_, buffered := b.buffered[h]
 	b.mu.Unlock()
-	if staged {
+	if staged || buffered {
 		return true
 	}
 	if _, err := os.Lstat(b.s.Path(h)); err != nil {
@@ -135,7 +199,7 @@ func (b *Batch) createTemp() (*os.File, error) {
 // PutBytes stages data as an object.
 func (b *Batch) PutBytes(data []byte) (Hash, error) {
 	h := Sum(data)
-	if b.have(h) {
+	if b.have(h) || b.buffer(h, data) {
 		return h, nil
 	}
 	f, err := b.createTemp()
@@ -266,6 +330,11 @@ func (b *Batch) Publish() (release func(), err error) {
 		return nil, errors.New("batch already finished")
 	}
 	b.done = true
+	if err := b.flushLocked(); err != nil {
+		b.removePending()
+		b.lock.Close()
+		return nil, err
+	}
 	if err := b.publish(); err != nil {
 		b.lock.Close()
 		return nil, err
@@ -349,6 +418,9 @@ func (b *Batch) Abort() {
 }
 
 func (b *Batch) removePending() {
+	for h := range b.buffered {
+		delete(b.buffered, h)
+	}
 	for h, tmp := range b.pending {
 		os.Remove(tmp)
 		delete(b.pending, h)

@@ -23,6 +23,11 @@ const (
 	ForkLabelBranchOf = "tidepool.dev/branch-of"
 )
 
+// branchBuffer is how much of a branch's new content is held in memory while the
+// container is frozen, so the freeze lasts for reading it, not for writing it to
+// the store too; beyond it files are staged on disk during the freeze.
+const branchBuffer = 64 << 20
+
 // MaxBranches bounds how many forks one Branch makes.
 const MaxBranches = 64
 
@@ -69,7 +74,7 @@ type BranchResult struct {
 	// Freeze is how long Freeze took to stop the writers; Publish the time from the
 	// thaw to the records (trees written, objects synced); Record the fork records.
 	Freeze, Publish, Record time.Duration
-	Stats               ingest.Stats
+	Stats                   ingest.Stats
 }
 
 // Branch commits an active fork-bearing snapshot's current changes under its
@@ -171,6 +176,7 @@ func (s *Snapshotter) Branch(ctx context.Context, req BranchRequest) (_ BranchRe
 	walkStart := time.Now()
 	var readAt time.Time
 	opts := ingest.Options{
+		BufferBytes: branchBuffer,
 		Read: func() {
 			readAt = time.Now()
 			res.Walk = readAt.Sub(walkStart)

@@ -39,6 +39,10 @@ type Options struct {
 	// source's writers (a container being branched) lets them go here. It is called
 	// at most once, and not at all if the walk fails.
 	Read func()
+	// BufferBytes, if positive, keeps up to that many bytes of new objects in
+	// memory while the source is read, writing them to the store only after Read:
+	// the source is read, not copied, in the time Read ends.
+	BufferBytes int64
 }
 
 // ProgressInterval is the minimum time between two Progress calls (the final call is

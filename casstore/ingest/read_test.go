@@ -1,6 +1,7 @@
 package ingest
 
 import (
+	"os"
 	"path/filepath"
 	"testing"
 
@@ -43,6 +44,21 @@ func TestReadHook(t *testing.T) {
 	}
 	if h != want {
 		t.Fatalf("changes made after Read reached the root: %s, want %s", h, want)
+	}
+	// Buffered in memory, the same root, and nothing was staged before Read.
+	// (A fresh store: every object is new there.)
+	s2 := casstoretest.NewStore(t)
+	base2 := mustDir(t, s2, t.TempDir(), Options{})
+	staged := -1
+	hb, err := Upper(t.Context(), s2, base2, u, "", Options{BufferBytes: 1 << 20, Read: func() {
+		ents, err := os.ReadDir(filepath.Join(s2.Root(), ".tidepool-tmp"))
+		if err != nil {
+			t.Error(err)
+		}
+		staged = len(ents)
+	}})
+	if err != nil || hb != want || staged != 0 {
+		t.Fatalf("buffered: %s %v (want %s), %d temp files at Read", hb, err, want, staged)
 	}
 	// A walk that fails never calls Read.
 	called := false

@@ -122,4 +122,3 @@ func BenchmarkForkContainer(b *testing.B) {
 	b.ReportMetric(float64(branchPercentile(apiFork, 0.95))/float64(branchPercentile(apiBase, 0.95)), "api-p95-x-vs-fork-root")
 	b.ReportMetric(float64(branchPercentile(cliFork, 0.95))/float64(branchPercentile(cliBase, 0.95)), "cli-p95-x-vs-fork-root")
 }
-
