@@ -43,12 +43,18 @@ type Batch struct {
 	// bufLeft is how many more bytes may be.
 	buffered map[Hash][]byte
 	bufLeft  int64
+	// syncEach is the number of new objects up to which Commit fsyncs them one by
+	// one (in parallel) instead of syncing the whole filesystem.
+	syncEach int
 }
 
 // Buffer makes the batch keep new objects in memory, up to limit bytes in all,
 // instead of staging each as a temp file at once; they are staged by Flush or at
 // Commit. A caller that froze the source it reads (a container being branched)
-// lets it go after reading, not after writing every object.
+// lets it go after reading, not after writing every object. Such a caller also
+// waits for the commit, so a buffered batch syncs up to bufferedSyncEach objects one
+// by one, in parallel, rather than the whole filesystem (whose other writers'
+// dirty data a syncfs would wait for too).
 func (b *Batch) Buffer(limit int64) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
@@ -56,7 +62,14 @@ func (b *Batch) Buffer(limit int64) {
 		b.buffered = map[Hash][]byte{}
 	}
 	b.bufLeft = limit
+	b.syncEach = bufferedSyncEach
 }
+
+// bufferedSyncEach is syncEach for a buffered batch.
+const bufferedSyncEach = 1024
+
+// syncWorkers bounds the fsyncs a commit runs at once.
+const syncWorkers = 16
 
 // buffer keeps data in memory if the buffer has room; it reports whether it did.
 func (b *Batch) buffer(h Hash, data []byte) bool {
@@ -111,7 +124,7 @@ func (s *Store) Begin() (*Batch, error) {
 		return nil, err
 	}
 	s.sweepDeadOnce()
-	return &Batch{s: s, lock: lf, pending: map[Hash]string{}, reused: map[Hash]struct{}{}}, nil
+	return &Batch{s: s, lock: lf, pending: map[Hash]string{}, reused: map[Hash]struct{}{}, syncEach: fsyncEach}, nil
 }
 
 // Hold takes the GC lock in shared mode, as a batch does, until release is called:
@@ -356,13 +369,11 @@ func (b *Batch) publish() error {
 	if len(b.pending) == 0 {
 		return nil
 	}
-	few := len(b.pending) <= fsyncEach
+	few := len(b.pending) <= b.syncEach
 	if few {
-		for h, tmp := range b.pending {
-			if err := fsyncPath(tmp); err != nil {
-				b.removePending()
-				return fmt.Errorf("sync object %s: %w", h, err)
-			}
+		if err := b.syncPending(); err != nil {
+			b.removePending()
+			return err
 		}
 	} else if err := b.s.syncfs(); err != nil {
 		b.removePending()
@@ -397,12 +408,56 @@ func (b *Batch) publish() error {
 	if !few {
 		return b.s.syncfs()
 	}
+	paths := make([]string, 0, len(dirs))
 	for d := range dirs {
-		if err := fsyncPath(d); err != nil {
-			return fmt.Errorf("sync %s: %w", d, err)
-		}
+		paths = append(paths, d)
 	}
-	return nil
+	return syncAll(paths)
+}
+
+// syncPending fsyncs every staged object, several at once: the filesystem's
+// journal commits them together.
+func (b *Batch) syncPending() error {
+	paths := make([]string, 0, len(b.pending))
+	for _, tmp := range b.pending {
+		paths = append(paths, tmp)
+	}
+	return syncAll(paths)
+}
+
+// syncAll fsyncs paths with up to syncWorkers at once; the first error wins.
+func syncAll(paths []string) error {
+	if len(paths) <= 1 {
+		for _, p := range paths {
+			if err := fsyncPath(p); err != nil {
+				return fmt.Errorf("sync %s: %w", p, err)
+			}
+		}
+		return nil
+	}
+	var (
+		wg    sync.WaitGroup
+		once  sync.Once
+		first error
+		next  = make(chan string)
+	)
+	for i := 0; i < min(syncWorkers, len(paths)); i++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for p := range next {
+				if err := fsyncPath(p); err != nil {
+					once.Do(func() { first = fmt.Errorf("sync %s: %w", p, err) })
+				}
+			}
+		}()
+	}
+	for _, p := range paths {
+		next <- p
+	}
+	close(next)
+	wg.Wait()
+	return first
 }
 
 // Abort discards staged objects and releases the lock. It is a no-op after Commit.
