@@ -40,6 +40,83 @@ type Batch struct {
 	sizes   map[Hash]int64    // object -> its length, for the size index
 	reused  map[Hash]struct{} // objects already stored that the batch relies on
 	done    bool
+	// buffered holds objects kept in memory (see Buffer) until they are staged;
+	// bufLeft is how many more bytes may be.
+	buffered map[Hash][]byte
+	bufLeft  int64
+	// syncEach is the number of new objects up to which Commit fsyncs them one by
+	// one (in parallel) instead of syncing the whole filesystem.
+	syncEach int
+}
+
+// Buffer makes the batch keep new objects in memory, up to limit bytes in all,
+// instead of staging each as a temp file at once; they are staged by Flush or at
+// Commit. A caller that froze the source it reads (a container being branched)
+// lets it go after reading, not after writing every object. Such a caller also
+// waits for the commit, so a buffered batch syncs up to bufferedSyncEach objects one
+// by one, in parallel, rather than the whole filesystem (whose other writers'
+// dirty data a syncfs would wait for too).
+func (b *Batch) Buffer(limit int64) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.buffered == nil {
+		b.buffered = map[Hash][]byte{}
+	}
+	b.bufLeft = limit
+	b.syncEach = bufferedSyncEach
+}
+
+// bufferedSyncEach is syncEach for a buffered batch.
+const bufferedSyncEach = 1024
+
+// syncWorkers bounds the fsyncs a commit runs at once.
+const syncWorkers = 16
+
+// buffer keeps data in memory if the buffer has room; it reports whether it did.
+func (b *Batch) buffer(h Hash, data []byte) bool {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.buffered == nil || int64(len(data)) > b.bufLeft || b.done {
+		return false
+	}
+	if _, dup := b.buffered[h]; !dup {
+		b.buffered[h] = append([]byte(nil), data...)
+		b.bufLeft -= int64(len(data))
+	}
+	return true
+}
+
+// Flush stages the objects kept in memory as temp files.
+func (b *Batch) Flush() error {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.flushLocked()
+}
+
+func (b *Batch) flushLocked() error {
+	for h, data := range b.buffered {
+		if _, staged := b.pending[h]; staged {
+			delete(b.buffered, h)
+			continue
+		}
+		f, err := b.createTemp()
+		if err != nil {
+			return err
+		}
+		_, err = f.Write(data)
+		if cerr := f.Close(); err == nil {
+			err = cerr
+		}
+		if err != nil {
+			os.Remove(f.Name())
+			return fmt.Errorf("write object %s: %w", h, err)
+		}
+		b.pending[h] = f.Name()
+		b.sizes[h] = int64(len(data))
+		b.bufLeft += int64(len(data))
+		delete(b.buffered, h)
+	}
+	return nil
 }
 
 // Begin starts a batch.
@@ -49,7 +126,7 @@ func (s *Store) Begin() (*Batch, error) {
 		return nil, err
 	}
 	s.sweepDeadOnce()
-	return &Batch{s: s, lock: lf, pending: map[Hash]string{}, sizes: map[Hash]int64{}, reused: map[Hash]struct{}{}}, nil
+	return &Batch{s: s, lock: lf, pending: map[Hash]string{}, sizes: map[Hash]int64{}, reused: map[Hash]struct{}{}, syncEach: fsyncEach}, nil
 }
 
 // Hold takes the GC lock in shared mode, as a batch does, until release is called:
@@ -102,8 +179,9 @@ func (s *Store) lock(how int) (*os.File, error) {
 func (b *Batch) have(h Hash) bool {
 	b.mu.Lock()
 	_, staged := b.pending[h]
+	_, buffered := b.buffered[h]
 	b.mu.Unlock()
-	if staged {
+	if staged || buffered {
 		return true
 	}
 	if _, err := os.Lstat(b.s.Path(h)); err != nil {
@@ -141,9 +219,9 @@ func (b *Batch) PutBytes(data []byte) (Hash, error) {
 	return h, b.putBytes(h, data)
 }
 
-// putBytes stages data, known to hash to h.
+// putBytes stages data, known to hash to h (or keeps it in memory, see Buffer).
 func (b *Batch) putBytes(h Hash, data []byte) error {
-	if b.have(h) {
+	if b.have(h) || b.buffer(h, data) {
 		return nil
 	}
 	f, err := b.createTemp()
@@ -274,6 +352,11 @@ func (b *Batch) Publish() (release func(), err error) {
 		return nil, errors.New("batch already finished")
 	}
 	b.done = true
+	if err := b.flushLocked(); err != nil {
+		b.removePending()
+		b.lock.Close()
+		return nil, err
+	}
 	if err := b.publish(); err != nil {
 		b.lock.Close()
 		return nil, err
@@ -295,13 +378,11 @@ func (b *Batch) publish() error {
 	if len(b.pending) == 0 {
 		return nil
 	}
-	few := len(b.pending) <= fsyncEach
+	few := len(b.pending) <= b.syncEach
 	if few {
-		for h, tmp := range b.pending {
-			if err := fsyncPath(tmp); err != nil {
-				b.removePending()
-				return fmt.Errorf("sync object %s: %w", h, err)
-			}
+		if err := b.syncPending(); err != nil {
+			b.removePending()
+			return err
 		}
 	} else if err := b.s.syncfs(); err != nil {
 		b.removePending()
@@ -340,10 +421,12 @@ func (b *Batch) publish() error {
 			return err
 		}
 	} else {
+		paths := make([]string, 0, len(dirs))
 		for d := range dirs {
-			if err := fsyncPath(d); err != nil {
-				return fmt.Errorf("sync %s: %w", d, err)
-			}
+			paths = append(paths, d)
+		}
+		if err := syncAll(paths); err != nil {
+			return err
 		}
 	}
 	// Only now are the objects durable: a size index entry must never outlive its
@@ -351,6 +434,51 @@ func (b *Batch) publish() error {
 	// it (a read-only LunarFS store) fails nothing.
 	_ = b.s.sizes.add(published)
 	return nil
+}
+
+// syncPending fsyncs every staged object, several at once: the filesystem's
+// journal commits them together.
+func (b *Batch) syncPending() error {
+	paths := make([]string, 0, len(b.pending))
+	for _, tmp := range b.pending {
+		paths = append(paths, tmp)
+	}
+	return syncAll(paths)
+}
+
+// syncAll fsyncs paths with up to syncWorkers at once; the first error wins.
+func syncAll(paths []string) error {
+	if len(paths) <= 1 {
+		for _, p := range paths {
+			if err := fsyncPath(p); err != nil {
+				return fmt.Errorf("sync %s: %w", p, err)
+			}
+		}
+		return nil
+	}
+	var (
+		wg    sync.WaitGroup
+		once  sync.Once
+		first error
+		next  = make(chan string)
+	)
+	for i := 0; i < min(syncWorkers, len(paths)); i++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for p := range next {
+				if err := fsyncPath(p); err != nil {
+					once.Do(func() { first = fmt.Errorf("sync %s: %w", p, err) })
+				}
+			}
+		}()
+	}
+	for _, p := range paths {
+		next <- p
+	}
+	close(next)
+	wg.Wait()
+	return first
 }
 
 // Abort discards staged objects and releases the lock. It is a no-op after Commit.
@@ -366,6 +494,9 @@ func (b *Batch) Abort() {
 }
 
 func (b *Batch) removePending() {
+	for h := range b.buffered {
+		delete(b.buffered, h)
+	}
 	for h, tmp := range b.pending {
 		os.Remove(tmp)
 		delete(b.pending, h)

@@ -74,6 +74,26 @@ func TestSizeIndexRecordsEveryWritePath(t *testing.T) {
 	if err := b.Commit(); err != nil {
 		t.Fatal(err)
 	}
+	// A buffered batch (a branch of a frozen container) keeps objects in memory
+	// until Flush or Commit: both ways record sizes.
+	b, err = s.Begin()
+	if err != nil {
+		t.Fatal(err)
+	}
+	b.Buffer(1 << 20)
+	flushed, kept := []byte("buffered then flushed"), []byte("buffered until commit")
+	if _, err := b.PutBytes(flushed); err != nil {
+		t.Fatal(err)
+	}
+	if err := b.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := b.PutBytes(kept); err != nil {
+		t.Fatal(err)
+	}
+	if err := b.Commit(); err != nil {
+		t.Fatal(err)
+	}
 	aborted := []byte("never published")
 	b, err = s.Begin()
 	if err != nil {
@@ -95,6 +115,8 @@ func TestSizeIndexRecordsEveryWritePath(t *testing.T) {
 	wantSize(t, s, hLarge, int64(len(large)), true)
 	wantSize(t, s, hFile, 12, true)
 	wantSize(t, s, Sum(moved), int64(len(moved)), true)
+	wantSize(t, s, Sum(flushed), int64(len(flushed)), true)
+	wantSize(t, s, Sum(kept), int64(len(kept)), true)
 	wantSize(t, s, Sum(aborted), 0, false)
 	wantSize(t, s, hForeign, 0, false)
 

@@ -83,10 +83,11 @@ func init() {
 				return nil, err
 			}
 			return &apiserver.Server{
-				Forks:       c.Forks,
-				Snapshotter: c.Snapshotter,
-				Pools:       ctrl.(*pool.Controller),
-				Info:        &apiv1.InfoResponse{Root: c.Config.Root, Store: c.Store.Root(), SnapshotterAddress: c.Config.Address},
+				Forks:             c.Forks,
+				Snapshotter:       c.Snapshotter,
+				Pools:             ctrl.(*pool.Controller),
+				Info:              &apiv1.InfoResponse{Root: c.Config.Root, Store: c.Store.Root(), SnapshotterAddress: c.Config.Address},
+				ContainerdAddress: c.Config.ContainerdAddress,
 			}, nil
 		},
 	})

@@ -8,6 +8,9 @@ type Metrics struct {
 	commitSeconds prometheus.Histogram
 	commitErrors  prometheus.Counter
 	binds         *prometheus.CounterVec
+	// Branches of live snapshots: the whole call, and how long writers were frozen.
+	branchSeconds       prometheus.Histogram
+	branchPausedSeconds prometheus.Histogram
 }
 
 func newMetrics() *Metrics {
@@ -25,6 +28,16 @@ func newMetrics() *Metrics {
 			Namespace: "tidepool", Subsystem: "snapshotter", Name: "fork_binds_total",
 			Help: "Forks bound to snapshots, by entrance (label, api, late).",
 		}, []string{"entrance"}),
+		branchSeconds: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Namespace: "tidepool", Subsystem: "snapshotter", Name: "branch_seconds",
+			Help:    "Time to branch a live snapshot's changes into new forks.",
+			Buckets: prometheus.ExponentialBuckets(0.0005, 2, 16),
+		}),
+		branchPausedSeconds: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Namespace: "tidepool", Subsystem: "snapshotter", Name: "branch_paused_seconds",
+			Help:    "How long a branched snapshot's writers (its container) were frozen.",
+			Buckets: prometheus.ExponentialBuckets(0.0005, 2, 16),
+		}),
 	}
 }
 
@@ -33,6 +46,8 @@ func (m *Metrics) Describe(ch chan<- *prometheus.Desc) {
 	m.commitSeconds.Describe(ch)
 	m.commitErrors.Describe(ch)
 	m.binds.Describe(ch)
+	m.branchSeconds.Describe(ch)
+	m.branchPausedSeconds.Describe(ch)
 }
 
 // Collect implements prometheus.Collector.
@@ -40,4 +55,6 @@ func (m *Metrics) Collect(ch chan<- prometheus.Metric) {
 	m.commitSeconds.Collect(ch)
 	m.commitErrors.Collect(ch)
 	m.binds.Collect(ch)
+	m.branchSeconds.Collect(ch)
+	m.branchPausedSeconds.Collect(ch)
 }

@@ -36,6 +36,8 @@ const (
 // advance, and pins that keep a bound root alive while a snapshot uses it.
 type ForkStore interface {
 	forks.Service
+	// CreateAt makes forks of a base already advanced to root, in one transaction.
+	CreateAt(ctx context.Context, reqs []forks.CreateRequest, root casstore.Hash, reason string) ([]*forks.Fork, error)
 	Pin(name string, root casstore.Hash) error
 	Unpin(name string) error
 }

@@ -1003,6 +1003,275 @@ func (x *ListSnapshotsResponse) GetSnapshots() []*Snapshot {
 	return nil
 }
 
+type ForkContainerRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// namespace is the container's containerd namespace ("default" if empty).
+	Namespace   string `protobuf:"bytes,1,opt,name=namespace,proto3" json:"namespace,omitempty"`
+	ContainerId string `protobuf:"bytes,2,opt,name=container_id,json=containerId,proto3" json:"container_id,omitempty"`
+	// count is how many forks to make (1 if 0).
+	Count int32 `protobuf:"varint,3,opt,name=count,proto3" json:"count,omitempty"`
+	// label labels a single fork; with count > 1 the forks are label-1 ... label-N.
+	Label  string               `protobuf:"bytes,4,opt,name=label,proto3" json:"label,omitempty"`
+	Labels map[string]string    `protobuf:"bytes,5,rep,name=labels,proto3" json:"labels,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
+	Ttl    *durationpb.Duration `protobuf:"bytes,6,opt,name=ttl,proto3" json:"ttl,omitempty"`
+	// request_id makes the call idempotent: a retry returns the forks the first made.
+	RequestId     string `protobuf:"bytes,7,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ForkContainerRequest) Reset() {
+	*x = ForkContainerRequest{}
+	mi := &file_tidepool_proto_msgTypes[16]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ForkContainerRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ForkContainerRequest) ProtoMessage() {}
+
+func (x *ForkContainerRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_tidepool_proto_msgTypes[16]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ForkContainerRequest.ProtoReflect.Descriptor instead.
+func (*ForkContainerRequest) Descriptor() ([]byte, []int) {
+	return file_tidepool_proto_rawDescGZIP(), []int{16}
+}
+
+func (x *ForkContainerRequest) GetNamespace() string {
+	if x != nil {
+		return x.Namespace
+	}
+	return ""
+}
+
+func (x *ForkContainerRequest) GetContainerId() string {
+	if x != nil {
+		return x.ContainerId
+	}
+	return ""
+}
+
+func (x *ForkContainerRequest) GetCount() int32 {
+	if x != nil {
+		return x.Count
+	}
+	return 0
+}
+
+func (x *ForkContainerRequest) GetLabel() string {
+	if x != nil {
+		return x.Label
+	}
+	return ""
+}
+
+func (x *ForkContainerRequest) GetLabels() map[string]string {
+	if x != nil {
+		return x.Labels
+	}
+	return nil
+}
+
+func (x *ForkContainerRequest) GetTtl() *durationpb.Duration {
+	if x != nil {
+		return x.Ttl
+	}
+	return nil
+}
+
+func (x *ForkContainerRequest) GetRequestId() string {
+	if x != nil {
+		return x.RequestId
+	}
+	return ""
+}
+
+type ForkContainerResponse struct {
+	state       protoimpl.MessageState `protogen:"open.v1"`
+	ContainerId string                 `protobuf:"bytes,1,opt,name=container_id,json=containerId,proto3" json:"container_id,omitempty"`
+	Namespace   string                 `protobuf:"bytes,2,opt,name=namespace,proto3" json:"namespace,omitempty"`
+	// snapshot_key is the container's snapshot in the tidepool snapshotter.
+	SnapshotKey string `protobuf:"bytes,3,opt,name=snapshot_key,json=snapshotKey,proto3" json:"snapshot_key,omitempty"`
+	// fork_id and base are the container's own binding (unchanged).
+	ForkId string `protobuf:"bytes,4,opt,name=fork_id,json=forkId,proto3" json:"fork_id,omitempty"`
+	Base   string `protobuf:"bytes,5,opt,name=base,proto3" json:"base,omitempty"`
+	// root is the tree of the workdir at the freeze; every new fork is at it.
+	Root  string  `protobuf:"bytes,6,opt,name=root,proto3" json:"root,omitempty"`
+	Forks []*Fork `protobuf:"bytes,7,rep,name=forks,proto3" json:"forks,omitempty"`
+	// pause is how the task was frozen: "freezer" (its cgroup) or "task" (containerd).
+	Pause string `protobuf:"bytes,8,opt,name=pause,proto3" json:"pause,omitempty"`
+	// paused_ms is how long the task was frozen; walk_ms the walk that read the
+	// changes; total_ms the whole call in tidepoold.
+	PausedMs float64 `protobuf:"fixed64,9,opt,name=paused_ms,json=pausedMs,proto3" json:"paused_ms,omitempty"`
+	WalkMs   float64 `protobuf:"fixed64,10,opt,name=walk_ms,json=walkMs,proto3" json:"walk_ms,omitempty"`
+	TotalMs  float64 `protobuf:"fixed64,11,opt,name=total_ms,json=totalMs,proto3" json:"total_ms,omitempty"`
+	Files    int64   `protobuf:"varint,12,opt,name=files,proto3" json:"files,omitempty"`
+	// The parts of total_ms: finding the container and its snapshot (lookup_ms),
+	// stopping its tasks (freeze_ms, part of paused_ms), writing trees and syncing
+	// objects after the thaw (publish_ms), writing the fork records (record_ms).
+	LookupMs      float64 `protobuf:"fixed64,13,opt,name=lookup_ms,json=lookupMs,proto3" json:"lookup_ms,omitempty"`
+	FreezeMs      float64 `protobuf:"fixed64,14,opt,name=freeze_ms,json=freezeMs,proto3" json:"freeze_ms,omitempty"`
+	PublishMs     float64 `protobuf:"fixed64,15,opt,name=publish_ms,json=publishMs,proto3" json:"publish_ms,omitempty"`
+	RecordMs      float64 `protobuf:"fixed64,16,opt,name=record_ms,json=recordMs,proto3" json:"record_ms,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ForkContainerResponse) Reset() {
+	*x = ForkContainerResponse{}
+	mi := &file_tidepool_proto_msgTypes[17]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ForkContainerResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ForkContainerResponse) ProtoMessage() {}
+
+func (x *ForkContainerResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_tidepool_proto_msgTypes[17]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ForkContainerResponse.ProtoReflect.Descriptor instead.
+func (*ForkContainerResponse) Descriptor() ([]byte, []int) {
+	return file_tidepool_proto_rawDescGZIP(), []int{17}
+}
+
+func (x *ForkContainerResponse) GetContainerId() string {
+	if x != nil {
+		return x.ContainerId
+	}
+	return ""
+}
+
+func (x *ForkContainerResponse) GetNamespace() string {
+	if x != nil {
+		return x.Namespace
+	}
+	return ""
+}
+
+func (x *ForkContainerResponse) GetSnapshotKey() string {
+	if x != nil {
+		return x.SnapshotKey
+	}
+	return ""
+}
+
+func (x *ForkContainerResponse) GetForkId() string {
+	if x != nil {
+		return x.ForkId
+	}
+	return ""
+}
+
+func (x *ForkContainerResponse) GetBase() string {
+	if x != nil {
+		return x.Base
+	}
+	return ""
+}
+
+func (x *ForkContainerResponse) GetRoot() string {
+	if x != nil {
+		return x.Root
+	}
+	return ""
+}
+
+func (x *ForkContainerResponse) GetForks() []*Fork {
+	if x != nil {
+		return x.Forks
+	}
+	return nil
+}
+
+func (x *ForkContainerResponse) GetPause() string {
+	if x != nil {
+		return x.Pause
+	}
+	return ""
+}
+
+func (x *ForkContainerResponse) GetPausedMs() float64 {
+	if x != nil {
+		return x.PausedMs
+	}
+	return 0
+}
+
+func (x *ForkContainerResponse) GetWalkMs() float64 {
+	if x != nil {
+		return x.WalkMs
+	}
+	return 0
+}
+
+func (x *ForkContainerResponse) GetTotalMs() float64 {
+	if x != nil {
+		return x.TotalMs
+	}
+	return 0
+}
+
+func (x *ForkContainerResponse) GetFiles() int64 {
+	if x != nil {
+		return x.Files
+	}
+	return 0
+}
+
+func (x *ForkContainerResponse) GetLookupMs() float64 {
+	if x != nil {
+		return x.LookupMs
+	}
+	return 0
+}
+
+func (x *ForkContainerResponse) GetFreezeMs() float64 {
+	if x != nil {
+		return x.FreezeMs
+	}
+	return 0
+}
+
+func (x *ForkContainerResponse) GetPublishMs() float64 {
+	if x != nil {
+		return x.PublishMs
+	}
+	return 0
+}
+
+func (x *ForkContainerResponse) GetRecordMs() float64 {
+	if x != nil {
+		return x.RecordMs
+	}
+	return 0
+}
+
 type InfoRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	unknownFields protoimpl.UnknownFields
@@ -1011,7 +1280,7 @@ type InfoRequest struct {
 
 func (x *InfoRequest) Reset() {
 	*x = InfoRequest{}
-	mi := &file_tidepool_proto_msgTypes[16]
+	mi := &file_tidepool_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1023,7 +1292,7 @@ func (x *InfoRequest) String() string {
 func (*InfoRequest) ProtoMessage() {}
 
 func (x *InfoRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[16]
+	mi := &file_tidepool_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1036,7 +1305,7 @@ func (x *InfoRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InfoRequest.ProtoReflect.Descriptor instead.
 func (*InfoRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{16}
+	return file_tidepool_proto_rawDescGZIP(), []int{18}
 }
 
 type InfoResponse struct {
@@ -1052,7 +1321,7 @@ type InfoResponse struct {
 
 func (x *InfoResponse) Reset() {
 	*x = InfoResponse{}
-	mi := &file_tidepool_proto_msgTypes[17]
+	mi := &file_tidepool_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1064,7 +1333,7 @@ func (x *InfoResponse) String() string {
 func (*InfoResponse) ProtoMessage() {}
 
 func (x *InfoResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[17]
+	mi := &file_tidepool_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1077,7 +1346,7 @@ func (x *InfoResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InfoResponse.ProtoReflect.Descriptor instead.
 func (*InfoResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{17}
+	return file_tidepool_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *InfoResponse) GetVersion() string {
@@ -1136,7 +1405,7 @@ type AdoptRequest struct {
 
 func (x *AdoptRequest) Reset() {
 	*x = AdoptRequest{}
-	mi := &file_tidepool_proto_msgTypes[18]
+	mi := &file_tidepool_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1148,7 +1417,7 @@ func (x *AdoptRequest) String() string {
 func (*AdoptRequest) ProtoMessage() {}
 
 func (x *AdoptRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[18]
+	mi := &file_tidepool_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1161,7 +1430,7 @@ func (x *AdoptRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AdoptRequest.ProtoReflect.Descriptor instead.
 func (*AdoptRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{18}
+	return file_tidepool_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *AdoptRequest) GetPool() string {
@@ -1243,7 +1512,7 @@ type AdoptResponse struct {
 
 func (x *AdoptResponse) Reset() {
 	*x = AdoptResponse{}
-	mi := &file_tidepool_proto_msgTypes[19]
+	mi := &file_tidepool_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1255,7 +1524,7 @@ func (x *AdoptResponse) String() string {
 func (*AdoptResponse) ProtoMessage() {}
 
 func (x *AdoptResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[19]
+	mi := &file_tidepool_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1268,7 +1537,7 @@ func (x *AdoptResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AdoptResponse.ProtoReflect.Descriptor instead.
 func (*AdoptResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{19}
+	return file_tidepool_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *AdoptResponse) GetColdReason() string {
@@ -1322,7 +1591,7 @@ type MemberRequest struct {
 
 func (x *MemberRequest) Reset() {
 	*x = MemberRequest{}
-	mi := &file_tidepool_proto_msgTypes[20]
+	mi := &file_tidepool_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1334,7 +1603,7 @@ func (x *MemberRequest) String() string {
 func (*MemberRequest) ProtoMessage() {}
 
 func (x *MemberRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[20]
+	mi := &file_tidepool_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1347,7 +1616,7 @@ func (x *MemberRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MemberRequest.ProtoReflect.Descriptor instead.
 func (*MemberRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{20}
+	return file_tidepool_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *MemberRequest) GetMember() string {
@@ -1368,7 +1637,7 @@ type SignalMemberRequest struct {
 
 func (x *SignalMemberRequest) Reset() {
 	*x = SignalMemberRequest{}
-	mi := &file_tidepool_proto_msgTypes[21]
+	mi := &file_tidepool_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1380,7 +1649,7 @@ func (x *SignalMemberRequest) String() string {
 func (*SignalMemberRequest) ProtoMessage() {}
 
 func (x *SignalMemberRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[21]
+	mi := &file_tidepool_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1393,7 +1662,7 @@ func (x *SignalMemberRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SignalMemberRequest.ProtoReflect.Descriptor instead.
 func (*SignalMemberRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{21}
+	return file_tidepool_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *SignalMemberRequest) GetMember() string {
@@ -1427,7 +1696,7 @@ type PauseMemberRequest struct {
 
 func (x *PauseMemberRequest) Reset() {
 	*x = PauseMemberRequest{}
-	mi := &file_tidepool_proto_msgTypes[22]
+	mi := &file_tidepool_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1439,7 +1708,7 @@ func (x *PauseMemberRequest) String() string {
 func (*PauseMemberRequest) ProtoMessage() {}
 
 func (x *PauseMemberRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[22]
+	mi := &file_tidepool_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1452,7 +1721,7 @@ func (x *PauseMemberRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PauseMemberRequest.ProtoReflect.Descriptor instead.
 func (*PauseMemberRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{22}
+	return file_tidepool_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *PauseMemberRequest) GetMember() string {
@@ -1479,7 +1748,7 @@ type WaitMemberResponse struct {
 
 func (x *WaitMemberResponse) Reset() {
 	*x = WaitMemberResponse{}
-	mi := &file_tidepool_proto_msgTypes[23]
+	mi := &file_tidepool_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1491,7 +1760,7 @@ func (x *WaitMemberResponse) String() string {
 func (*WaitMemberResponse) ProtoMessage() {}
 
 func (x *WaitMemberResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[23]
+	mi := &file_tidepool_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1504,7 +1773,7 @@ func (x *WaitMemberResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WaitMemberResponse.ProtoReflect.Descriptor instead.
 func (*WaitMemberResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{23}
+	return file_tidepool_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *WaitMemberResponse) GetExitStatus() uint32 {
@@ -1536,7 +1805,7 @@ type RunStart struct {
 
 func (x *RunStart) Reset() {
 	*x = RunStart{}
-	mi := &file_tidepool_proto_msgTypes[24]
+	mi := &file_tidepool_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1548,7 +1817,7 @@ func (x *RunStart) String() string {
 func (*RunStart) ProtoMessage() {}
 
 func (x *RunStart) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[24]
+	mi := &file_tidepool_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1561,7 +1830,7 @@ func (x *RunStart) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RunStart.ProtoReflect.Descriptor instead.
 func (*RunStart) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{24}
+	return file_tidepool_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *RunStart) GetPool() string {
@@ -1621,7 +1890,7 @@ type RunRequest struct {
 
 func (x *RunRequest) Reset() {
 	*x = RunRequest{}
-	mi := &file_tidepool_proto_msgTypes[25]
+	mi := &file_tidepool_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1633,7 +1902,7 @@ func (x *RunRequest) String() string {
 func (*RunRequest) ProtoMessage() {}
 
 func (x *RunRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[25]
+	mi := &file_tidepool_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1646,7 +1915,7 @@ func (x *RunRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RunRequest.ProtoReflect.Descriptor instead.
 func (*RunRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{25}
+	return file_tidepool_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *RunRequest) GetMsg() isRunRequest_Msg {
@@ -1735,7 +2004,7 @@ type RunExit struct {
 
 func (x *RunExit) Reset() {
 	*x = RunExit{}
-	mi := &file_tidepool_proto_msgTypes[26]
+	mi := &file_tidepool_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1747,7 +2016,7 @@ func (x *RunExit) String() string {
 func (*RunExit) ProtoMessage() {}
 
 func (x *RunExit) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[26]
+	mi := &file_tidepool_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1760,7 +2029,7 @@ func (x *RunExit) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RunExit.ProtoReflect.Descriptor instead.
 func (*RunExit) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{26}
+	return file_tidepool_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *RunExit) GetStatus() int32 {
@@ -1813,7 +2082,7 @@ type RunResponse struct {
 
 func (x *RunResponse) Reset() {
 	*x = RunResponse{}
-	mi := &file_tidepool_proto_msgTypes[27]
+	mi := &file_tidepool_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1825,7 +2094,7 @@ func (x *RunResponse) String() string {
 func (*RunResponse) ProtoMessage() {}
 
 func (x *RunResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[27]
+	mi := &file_tidepool_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1838,7 +2107,7 @@ func (x *RunResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RunResponse.ProtoReflect.Descriptor instead.
 func (*RunResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{27}
+	return file_tidepool_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *RunResponse) GetMsg() isRunResponse_Msg {
@@ -1921,7 +2190,7 @@ type ListPoolsRequest struct {
 
 func (x *ListPoolsRequest) Reset() {
 	*x = ListPoolsRequest{}
-	mi := &file_tidepool_proto_msgTypes[28]
+	mi := &file_tidepool_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1933,7 +2202,7 @@ func (x *ListPoolsRequest) String() string {
 func (*ListPoolsRequest) ProtoMessage() {}
 
 func (x *ListPoolsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[28]
+	mi := &file_tidepool_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1946,7 +2215,7 @@ func (x *ListPoolsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListPoolsRequest.ProtoReflect.Descriptor instead.
 func (*ListPoolsRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{28}
+	return file_tidepool_proto_rawDescGZIP(), []int{30}
 }
 
 type PoolStatus struct {
@@ -1965,7 +2234,7 @@ type PoolStatus struct {
 
 func (x *PoolStatus) Reset() {
 	*x = PoolStatus{}
-	mi := &file_tidepool_proto_msgTypes[29]
+	mi := &file_tidepool_proto_msgTypes[31]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1977,7 +2246,7 @@ func (x *PoolStatus) String() string {
 func (*PoolStatus) ProtoMessage() {}
 
 func (x *PoolStatus) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[29]
+	mi := &file_tidepool_proto_msgTypes[31]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1990,7 +2259,7 @@ func (x *PoolStatus) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PoolStatus.ProtoReflect.Descriptor instead.
 func (*PoolStatus) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{29}
+	return file_tidepool_proto_rawDescGZIP(), []int{31}
 }
 
 func (x *PoolStatus) GetName() string {
@@ -2058,7 +2327,7 @@ type ListPoolsResponse struct {
 
 func (x *ListPoolsResponse) Reset() {
 	*x = ListPoolsResponse{}
-	mi := &file_tidepool_proto_msgTypes[30]
+	mi := &file_tidepool_proto_msgTypes[32]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2070,7 +2339,7 @@ func (x *ListPoolsResponse) String() string {
 func (*ListPoolsResponse) ProtoMessage() {}
 
 func (x *ListPoolsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[30]
+	mi := &file_tidepool_proto_msgTypes[32]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2083,7 +2352,7 @@ func (x *ListPoolsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListPoolsResponse.ProtoReflect.Descriptor instead.
 func (*ListPoolsResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{30}
+	return file_tidepool_proto_rawDescGZIP(), []int{32}
 }
 
 func (x *ListPoolsResponse) GetPools() []*PoolStatus {
@@ -2169,7 +2438,38 @@ const file_tidepool_proto_rawDesc = "" +
 	"\adiscard\x18\n" +
 	" \x01(\bR\adiscard\"P\n" +
 	"\x15ListSnapshotsResponse\x127\n" +
-	"\tsnapshots\x18\x01 \x03(\v2\x19.tidepool.api.v1.SnapshotR\tsnapshots\"\r\n" +
+	"\tsnapshots\x18\x01 \x03(\v2\x19.tidepool.api.v1.SnapshotR\tsnapshots\"\xd5\x02\n" +
+	"\x14ForkContainerRequest\x12\x1c\n" +
+	"\tnamespace\x18\x01 \x01(\tR\tnamespace\x12!\n" +
+	"\fcontainer_id\x18\x02 \x01(\tR\vcontainerId\x12\x14\n" +
+	"\x05count\x18\x03 \x01(\x05R\x05count\x12\x14\n" +
+	"\x05label\x18\x04 \x01(\tR\x05label\x12I\n" +
+	"\x06labels\x18\x05 \x03(\v21.tidepool.api.v1.ForkContainerRequest.LabelsEntryR\x06labels\x12+\n" +
+	"\x03ttl\x18\x06 \x01(\v2\x19.google.protobuf.DurationR\x03ttl\x12\x1d\n" +
+	"\n" +
+	"request_id\x18\a \x01(\tR\trequestId\x1a9\n" +
+	"\vLabelsEntry\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xdc\x03\n" +
+	"\x15ForkContainerResponse\x12!\n" +
+	"\fcontainer_id\x18\x01 \x01(\tR\vcontainerId\x12\x1c\n" +
+	"\tnamespace\x18\x02 \x01(\tR\tnamespace\x12!\n" +
+	"\fsnapshot_key\x18\x03 \x01(\tR\vsnapshotKey\x12\x17\n" +
+	"\afork_id\x18\x04 \x01(\tR\x06forkId\x12\x12\n" +
+	"\x04base\x18\x05 \x01(\tR\x04base\x12\x12\n" +
+	"\x04root\x18\x06 \x01(\tR\x04root\x12+\n" +
+	"\x05forks\x18\a \x03(\v2\x15.tidepool.api.v1.ForkR\x05forks\x12\x14\n" +
+	"\x05pause\x18\b \x01(\tR\x05pause\x12\x1b\n" +
+	"\tpaused_ms\x18\t \x01(\x01R\bpausedMs\x12\x17\n" +
+	"\awalk_ms\x18\n" +
+	" \x01(\x01R\x06walkMs\x12\x19\n" +
+	"\btotal_ms\x18\v \x01(\x01R\atotalMs\x12\x14\n" +
+	"\x05files\x18\f \x01(\x03R\x05files\x12\x1b\n" +
+	"\tlookup_ms\x18\r \x01(\x01R\blookupMs\x12\x1b\n" +
+	"\tfreeze_ms\x18\x0e \x01(\x01R\bfreezeMs\x12\x1d\n" +
+	"\n" +
+	"publish_ms\x18\x0f \x01(\x01R\tpublishMs\x12\x1b\n" +
+	"\trecord_ms\x18\x10 \x01(\x01R\brecordMs\"\r\n" +
 	"\vInfoRequest\"\x95\x01\n" +
 	"\fInfoResponse\x12\x18\n" +
 	"\aversion\x18\x01 \x01(\tR\aversion\x12\x12\n" +
@@ -2257,7 +2557,10 @@ const file_tidepool_proto_rawDesc = "" +
 	"\tLiveRoots\x12!.tidepool.api.v1.LiveRootsRequest\x1a\".tidepool.api.v1.LiveRootsResponse2\xa7\x01\n" +
 	"\tSnapshots\x12C\n" +
 	"\x04Bind\x12\x1c.tidepool.api.v1.BindRequest\x1a\x1d.tidepool.api.v1.BindResponse\x12U\n" +
-	"\x04List\x12%.tidepool.api.v1.ListSnapshotsRequest\x1a&.tidepool.api.v1.ListSnapshotsResponse2M\n" +
+	"\x04List\x12%.tidepool.api.v1.ListSnapshotsRequest\x1a&.tidepool.api.v1.ListSnapshotsResponse2c\n" +
+	"\n" +
+	"Containers\x12U\n" +
+	"\x04Fork\x12%.tidepool.api.v1.ForkContainerRequest\x1a&.tidepool.api.v1.ForkContainerResponse2M\n" +
 	"\x06Daemon\x12C\n" +
 	"\x04Info\x12\x1c.tidepool.api.v1.InfoRequest\x1a\x1d.tidepool.api.v1.InfoResponse2\xe1\x04\n" +
 	"\x05Pools\x12D\n" +
@@ -2283,7 +2586,7 @@ func file_tidepool_proto_rawDescGZIP() []byte {
 	return file_tidepool_proto_rawDescData
 }
 
-var file_tidepool_proto_msgTypes = make([]protoimpl.MessageInfo, 33)
+var file_tidepool_proto_msgTypes = make([]protoimpl.MessageInfo, 36)
 var file_tidepool_proto_goTypes = []any{
 	(*Fork)(nil),                  // 0: tidepool.api.v1.Fork
 	(*Revision)(nil),              // 1: tidepool.api.v1.Revision
@@ -2301,84 +2604,92 @@ var file_tidepool_proto_goTypes = []any{
 	(*ListSnapshotsRequest)(nil),  // 13: tidepool.api.v1.ListSnapshotsRequest
 	(*Snapshot)(nil),              // 14: tidepool.api.v1.Snapshot
 	(*ListSnapshotsResponse)(nil), // 15: tidepool.api.v1.ListSnapshotsResponse
-	(*InfoRequest)(nil),           // 16: tidepool.api.v1.InfoRequest
-	(*InfoResponse)(nil),          // 17: tidepool.api.v1.InfoResponse
-	(*AdoptRequest)(nil),          // 18: tidepool.api.v1.AdoptRequest
-	(*AdoptResponse)(nil),         // 19: tidepool.api.v1.AdoptResponse
-	(*MemberRequest)(nil),         // 20: tidepool.api.v1.MemberRequest
-	(*SignalMemberRequest)(nil),   // 21: tidepool.api.v1.SignalMemberRequest
-	(*PauseMemberRequest)(nil),    // 22: tidepool.api.v1.PauseMemberRequest
-	(*WaitMemberResponse)(nil),    // 23: tidepool.api.v1.WaitMemberResponse
-	(*RunStart)(nil),              // 24: tidepool.api.v1.RunStart
-	(*RunRequest)(nil),            // 25: tidepool.api.v1.RunRequest
-	(*RunExit)(nil),               // 26: tidepool.api.v1.RunExit
-	(*RunResponse)(nil),           // 27: tidepool.api.v1.RunResponse
-	(*ListPoolsRequest)(nil),      // 28: tidepool.api.v1.ListPoolsRequest
-	(*PoolStatus)(nil),            // 29: tidepool.api.v1.PoolStatus
-	(*ListPoolsResponse)(nil),     // 30: tidepool.api.v1.ListPoolsResponse
-	nil,                           // 31: tidepool.api.v1.Fork.LabelsEntry
-	nil,                           // 32: tidepool.api.v1.CreateForkRequest.LabelsEntry
-	(*timestamppb.Timestamp)(nil), // 33: google.protobuf.Timestamp
-	(*durationpb.Duration)(nil),   // 34: google.protobuf.Duration
-	(*emptypb.Empty)(nil),         // 35: google.protobuf.Empty
+	(*ForkContainerRequest)(nil),  // 16: tidepool.api.v1.ForkContainerRequest
+	(*ForkContainerResponse)(nil), // 17: tidepool.api.v1.ForkContainerResponse
+	(*InfoRequest)(nil),           // 18: tidepool.api.v1.InfoRequest
+	(*InfoResponse)(nil),          // 19: tidepool.api.v1.InfoResponse
+	(*AdoptRequest)(nil),          // 20: tidepool.api.v1.AdoptRequest
+	(*AdoptResponse)(nil),         // 21: tidepool.api.v1.AdoptResponse
+	(*MemberRequest)(nil),         // 22: tidepool.api.v1.MemberRequest
+	(*SignalMemberRequest)(nil),   // 23: tidepool.api.v1.SignalMemberRequest
+	(*PauseMemberRequest)(nil),    // 24: tidepool.api.v1.PauseMemberRequest
+	(*WaitMemberResponse)(nil),    // 25: tidepool.api.v1.WaitMemberResponse
+	(*RunStart)(nil),              // 26: tidepool.api.v1.RunStart
+	(*RunRequest)(nil),            // 27: tidepool.api.v1.RunRequest
+	(*RunExit)(nil),               // 28: tidepool.api.v1.RunExit
+	(*RunResponse)(nil),           // 29: tidepool.api.v1.RunResponse
+	(*ListPoolsRequest)(nil),      // 30: tidepool.api.v1.ListPoolsRequest
+	(*PoolStatus)(nil),            // 31: tidepool.api.v1.PoolStatus
+	(*ListPoolsResponse)(nil),     // 32: tidepool.api.v1.ListPoolsResponse
+	nil,                           // 33: tidepool.api.v1.Fork.LabelsEntry
+	nil,                           // 34: tidepool.api.v1.CreateForkRequest.LabelsEntry
+	nil,                           // 35: tidepool.api.v1.ForkContainerRequest.LabelsEntry
+	(*timestamppb.Timestamp)(nil), // 36: google.protobuf.Timestamp
+	(*durationpb.Duration)(nil),   // 37: google.protobuf.Duration
+	(*emptypb.Empty)(nil),         // 38: google.protobuf.Empty
 }
 var file_tidepool_proto_depIdxs = []int32{
-	33, // 0: tidepool.api.v1.Fork.created:type_name -> google.protobuf.Timestamp
-	33, // 1: tidepool.api.v1.Fork.updated:type_name -> google.protobuf.Timestamp
-	34, // 2: tidepool.api.v1.Fork.ttl:type_name -> google.protobuf.Duration
-	31, // 3: tidepool.api.v1.Fork.labels:type_name -> tidepool.api.v1.Fork.LabelsEntry
+	36, // 0: tidepool.api.v1.Fork.created:type_name -> google.protobuf.Timestamp
+	36, // 1: tidepool.api.v1.Fork.updated:type_name -> google.protobuf.Timestamp
+	37, // 2: tidepool.api.v1.Fork.ttl:type_name -> google.protobuf.Duration
+	33, // 3: tidepool.api.v1.Fork.labels:type_name -> tidepool.api.v1.Fork.LabelsEntry
 	1,  // 4: tidepool.api.v1.Fork.history:type_name -> tidepool.api.v1.Revision
-	33, // 5: tidepool.api.v1.Revision.time:type_name -> google.protobuf.Timestamp
-	34, // 6: tidepool.api.v1.CreateForkRequest.ttl:type_name -> google.protobuf.Duration
-	32, // 7: tidepool.api.v1.CreateForkRequest.labels:type_name -> tidepool.api.v1.CreateForkRequest.LabelsEntry
+	36, // 5: tidepool.api.v1.Revision.time:type_name -> google.protobuf.Timestamp
+	37, // 6: tidepool.api.v1.CreateForkRequest.ttl:type_name -> google.protobuf.Duration
+	34, // 7: tidepool.api.v1.CreateForkRequest.labels:type_name -> tidepool.api.v1.CreateForkRequest.LabelsEntry
 	0,  // 8: tidepool.api.v1.ListForksResponse.forks:type_name -> tidepool.api.v1.Fork
 	10, // 9: tidepool.api.v1.BindRequest.rootfs:type_name -> tidepool.api.v1.Mount
 	10, // 10: tidepool.api.v1.BindResponse.mounts:type_name -> tidepool.api.v1.Mount
 	14, // 11: tidepool.api.v1.ListSnapshotsResponse.snapshots:type_name -> tidepool.api.v1.Snapshot
-	10, // 12: tidepool.api.v1.AdoptRequest.rootfs:type_name -> tidepool.api.v1.Mount
-	33, // 13: tidepool.api.v1.WaitMemberResponse.exited_at:type_name -> google.protobuf.Timestamp
-	24, // 14: tidepool.api.v1.RunRequest.start:type_name -> tidepool.api.v1.RunStart
-	26, // 15: tidepool.api.v1.RunResponse.exit:type_name -> tidepool.api.v1.RunExit
-	29, // 16: tidepool.api.v1.ListPoolsResponse.pools:type_name -> tidepool.api.v1.PoolStatus
-	2,  // 17: tidepool.api.v1.Forks.Create:input_type -> tidepool.api.v1.CreateForkRequest
-	3,  // 18: tidepool.api.v1.Forks.Get:input_type -> tidepool.api.v1.GetForkRequest
-	4,  // 19: tidepool.api.v1.Forks.List:input_type -> tidepool.api.v1.ListForksRequest
-	6,  // 20: tidepool.api.v1.Forks.Remove:input_type -> tidepool.api.v1.RemoveForkRequest
-	7,  // 21: tidepool.api.v1.Forks.Advance:input_type -> tidepool.api.v1.AdvanceForkRequest
-	8,  // 22: tidepool.api.v1.Forks.LiveRoots:input_type -> tidepool.api.v1.LiveRootsRequest
-	11, // 23: tidepool.api.v1.Snapshots.Bind:input_type -> tidepool.api.v1.BindRequest
-	13, // 24: tidepool.api.v1.Snapshots.List:input_type -> tidepool.api.v1.ListSnapshotsRequest
-	16, // 25: tidepool.api.v1.Daemon.Info:input_type -> tidepool.api.v1.InfoRequest
-	25, // 26: tidepool.api.v1.Pools.Run:input_type -> tidepool.api.v1.RunRequest
-	28, // 27: tidepool.api.v1.Pools.List:input_type -> tidepool.api.v1.ListPoolsRequest
-	18, // 28: tidepool.api.v1.Pools.Adopt:input_type -> tidepool.api.v1.AdoptRequest
-	20, // 29: tidepool.api.v1.Pools.StartMember:input_type -> tidepool.api.v1.MemberRequest
-	21, // 30: tidepool.api.v1.Pools.SignalMember:input_type -> tidepool.api.v1.SignalMemberRequest
-	22, // 31: tidepool.api.v1.Pools.PauseMember:input_type -> tidepool.api.v1.PauseMemberRequest
-	20, // 32: tidepool.api.v1.Pools.WaitMember:input_type -> tidepool.api.v1.MemberRequest
-	20, // 33: tidepool.api.v1.Pools.ReleaseMember:input_type -> tidepool.api.v1.MemberRequest
-	0,  // 34: tidepool.api.v1.Forks.Create:output_type -> tidepool.api.v1.Fork
-	0,  // 35: tidepool.api.v1.Forks.Get:output_type -> tidepool.api.v1.Fork
-	5,  // 36: tidepool.api.v1.Forks.List:output_type -> tidepool.api.v1.ListForksResponse
-	35, // 37: tidepool.api.v1.Forks.Remove:output_type -> google.protobuf.Empty
-	0,  // 38: tidepool.api.v1.Forks.Advance:output_type -> tidepool.api.v1.Fork
-	9,  // 39: tidepool.api.v1.Forks.LiveRoots:output_type -> tidepool.api.v1.LiveRootsResponse
-	12, // 40: tidepool.api.v1.Snapshots.Bind:output_type -> tidepool.api.v1.BindResponse
-	15, // 41: tidepool.api.v1.Snapshots.List:output_type -> tidepool.api.v1.ListSnapshotsResponse
-	17, // 42: tidepool.api.v1.Daemon.Info:output_type -> tidepool.api.v1.InfoResponse
-	27, // 43: tidepool.api.v1.Pools.Run:output_type -> tidepool.api.v1.RunResponse
-	30, // 44: tidepool.api.v1.Pools.List:output_type -> tidepool.api.v1.ListPoolsResponse
-	19, // 45: tidepool.api.v1.Pools.Adopt:output_type -> tidepool.api.v1.AdoptResponse
-	35, // 46: tidepool.api.v1.Pools.StartMember:output_type -> google.protobuf.Empty
-	35, // 47: tidepool.api.v1.Pools.SignalMember:output_type -> google.protobuf.Empty
-	35, // 48: tidepool.api.v1.Pools.PauseMember:output_type -> google.protobuf.Empty
-	23, // 49: tidepool.api.v1.Pools.WaitMember:output_type -> tidepool.api.v1.WaitMemberResponse
-	35, // 50: tidepool.api.v1.Pools.ReleaseMember:output_type -> google.protobuf.Empty
-	34, // [34:51] is the sub-list for method output_type
-	17, // [17:34] is the sub-list for method input_type
-	17, // [17:17] is the sub-list for extension type_name
-	17, // [17:17] is the sub-list for extension extendee
-	0,  // [0:17] is the sub-list for field type_name
+	35, // 12: tidepool.api.v1.ForkContainerRequest.labels:type_name -> tidepool.api.v1.ForkContainerRequest.LabelsEntry
+	37, // 13: tidepool.api.v1.ForkContainerRequest.ttl:type_name -> google.protobuf.Duration
+	0,  // 14: tidepool.api.v1.ForkContainerResponse.forks:type_name -> tidepool.api.v1.Fork
+	10, // 15: tidepool.api.v1.AdoptRequest.rootfs:type_name -> tidepool.api.v1.Mount
+	36, // 16: tidepool.api.v1.WaitMemberResponse.exited_at:type_name -> google.protobuf.Timestamp
+	26, // 17: tidepool.api.v1.RunRequest.start:type_name -> tidepool.api.v1.RunStart
+	28, // 18: tidepool.api.v1.RunResponse.exit:type_name -> tidepool.api.v1.RunExit
+	31, // 19: tidepool.api.v1.ListPoolsResponse.pools:type_name -> tidepool.api.v1.PoolStatus
+	2,  // 20: tidepool.api.v1.Forks.Create:input_type -> tidepool.api.v1.CreateForkRequest
+	3,  // 21: tidepool.api.v1.Forks.Get:input_type -> tidepool.api.v1.GetForkRequest
+	4,  // 22: tidepool.api.v1.Forks.List:input_type -> tidepool.api.v1.ListForksRequest
+	6,  // 23: tidepool.api.v1.Forks.Remove:input_type -> tidepool.api.v1.RemoveForkRequest
+	7,  // 24: tidepool.api.v1.Forks.Advance:input_type -> tidepool.api.v1.AdvanceForkRequest
+	8,  // 25: tidepool.api.v1.Forks.LiveRoots:input_type -> tidepool.api.v1.LiveRootsRequest
+	11, // 26: tidepool.api.v1.Snapshots.Bind:input_type -> tidepool.api.v1.BindRequest
+	13, // 27: tidepool.api.v1.Snapshots.List:input_type -> tidepool.api.v1.ListSnapshotsRequest
+	16, // 28: tidepool.api.v1.Containers.Fork:input_type -> tidepool.api.v1.ForkContainerRequest
+	18, // 29: tidepool.api.v1.Daemon.Info:input_type -> tidepool.api.v1.InfoRequest
+	27, // 30: tidepool.api.v1.Pools.Run:input_type -> tidepool.api.v1.RunRequest
+	30, // 31: tidepool.api.v1.Pools.List:input_type -> tidepool.api.v1.ListPoolsRequest
+	20, // 32: tidepool.api.v1.Pools.Adopt:input_type -> tidepool.api.v1.AdoptRequest
+	22, // 33: tidepool.api.v1.Pools.StartMember:input_type -> tidepool.api.v1.MemberRequest
+	23, // 34: tidepool.api.v1.Pools.SignalMember:input_type -> tidepool.api.v1.SignalMemberRequest
+	24, // 35: tidepool.api.v1.Pools.PauseMember:input_type -> tidepool.api.v1.PauseMemberRequest
+	22, // 36: tidepool.api.v1.Pools.WaitMember:input_type -> tidepool.api.v1.MemberRequest
+	22, // 37: tidepool.api.v1.Pools.ReleaseMember:input_type -> tidepool.api.v1.MemberRequest
+	0,  // 38: tidepool.api.v1.Forks.Create:output_type -> tidepool.api.v1.Fork
+	0,  // 39: tidepool.api.v1.Forks.Get:output_type -> tidepool.api.v1.Fork
+	5,  // 40: tidepool.api.v1.Forks.List:output_type -> tidepool.api.v1.ListForksResponse
+	38, // 41: tidepool.api.v1.Forks.Remove:output_type -> google.protobuf.Empty
+	0,  // 42: tidepool.api.v1.Forks.Advance:output_type -> tidepool.api.v1.Fork
+	9,  // 43: tidepool.api.v1.Forks.LiveRoots:output_type -> tidepool.api.v1.LiveRootsResponse
+	12, // 44: tidepool.api.v1.Snapshots.Bind:output_type -> tidepool.api.v1.BindResponse
+	15, // 45: tidepool.api.v1.Snapshots.List:output_type -> tidepool.api.v1.ListSnapshotsResponse
+	17, // 46: tidepool.api.v1.Containers.Fork:output_type -> tidepool.api.v1.ForkContainerResponse
+	19, // 47: tidepool.api.v1.Daemon.Info:output_type -> tidepool.api.v1.InfoResponse
+	29, // 48: tidepool.api.v1.Pools.Run:output_type -> tidepool.api.v1.RunResponse
+	32, // 49: tidepool.api.v1.Pools.List:output_type -> tidepool.api.v1.ListPoolsResponse
+	21, // 50: tidepool.api.v1.Pools.Adopt:output_type -> tidepool.api.v1.AdoptResponse
+	38, // 51: tidepool.api.v1.Pools.StartMember:output_type -> google.protobuf.Empty
+	38, // 52: tidepool.api.v1.Pools.SignalMember:output_type -> google.protobuf.Empty
+	38, // 53: tidepool.api.v1.Pools.PauseMember:output_type -> google.protobuf.Empty
+	25, // 54: tidepool.api.v1.Pools.WaitMember:output_type -> tidepool.api.v1.WaitMemberResponse
+	38, // 55: tidepool.api.v1.Pools.ReleaseMember:output_type -> google.protobuf.Empty
+	38, // [38:56] is the sub-list for method output_type
+	20, // [20:38] is the sub-list for method input_type
+	20, // [20:20] is the sub-list for extension type_name
+	20, // [20:20] is the sub-list for extension extendee
+	0,  // [0:20] is the sub-list for field type_name
 }
 
 func init() { file_tidepool_proto_init() }
@@ -2386,13 +2697,13 @@ func file_tidepool_proto_init() {
 	if File_tidepool_proto != nil {
 		return
 	}
-	file_tidepool_proto_msgTypes[25].OneofWrappers = []any{
+	file_tidepool_proto_msgTypes[27].OneofWrappers = []any{
 		(*RunRequest_Start)(nil),
 		(*RunRequest_Stdin)(nil),
 		(*RunRequest_StdinClose)(nil),
 		(*RunRequest_Signal)(nil),
 	}
-	file_tidepool_proto_msgTypes[27].OneofWrappers = []any{
+	file_tidepool_proto_msgTypes[29].OneofWrappers = []any{
 		(*RunResponse_Stdout)(nil),
 		(*RunResponse_Stderr)(nil),
 		(*RunResponse_Exit)(nil),
@@ -2404,9 +2715,9 @@ func file_tidepool_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_tidepool_proto_rawDesc), len(file_tidepool_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   33,
+			NumMessages:   36,
 			NumExtensions: 0,
-			NumServices:   4,
+			NumServices:   5,
 		},
 		GoTypes:           file_tidepool_proto_goTypes,
 		DependencyIndexes: file_tidepool_proto_depIdxs,

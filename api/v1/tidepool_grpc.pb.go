@@ -470,6 +470,120 @@ var Snapshots_ServiceDesc = grpc.ServiceDesc{
 }
 
 const (
+	Containers_Fork_FullMethodName = "/tidepool.api.v1.Containers/Fork"
+)
+
+// ContainersClient is the client API for Containers service.
+//
+// For semantics around ctx use and closing/ending streaming RPCs, please refer to https://pkg.go.dev/google.golang.org/grpc/?tab=doc#ClientConn.NewStream.
+//
+// Containers acts on running containerd containers whose rootfs is a tidepool snapshot.
+type ContainersClient interface {
+	// Fork branches a running container: its task is frozen, its current changes
+	// under the workdir are committed on top of the root it started from into count
+	// new forks, and it is resumed (always, also on error). The container's own fork
+	// and its commit on removal are untouched.
+	Fork(ctx context.Context, in *ForkContainerRequest, opts ...grpc.CallOption) (*ForkContainerResponse, error)
+}
+
+type containersClient struct {
+	cc grpc.ClientConnInterface
+}
+
+func NewContainersClient(cc grpc.ClientConnInterface) ContainersClient {
+	return &containersClient{cc}
+}
+
+func (c *containersClient) Fork(ctx context.Context, in *ForkContainerRequest, opts ...grpc.CallOption) (*ForkContainerResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(ForkContainerResponse)
+	err := c.cc.Invoke(ctx, Containers_Fork_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+// ContainersServer is the server API for Containers service.
+// All implementations must embed UnimplementedContainersServer
+// for forward compatibility.
+//
+// Containers acts on running containerd containers whose rootfs is a tidepool snapshot.
+type ContainersServer interface {
+	// Fork branches a running container: its task is frozen, its current changes
+	// under the workdir are committed on top of the root it started from into count
+	// new forks, and it is resumed (always, also on error). The container's own fork
+	// and its commit on removal are untouched.
+	Fork(context.Context, *ForkContainerRequest) (*ForkContainerResponse, error)
+	mustEmbedUnimplementedContainersServer()
+}
+
+// UnimplementedContainersServer must be embedded to have
+// forward compatible implementations.
+//
+// NOTE: this should be embedded by value instead of pointer to avoid a nil
+// pointer dereference when methods are called.
+type UnimplementedContainersServer struct{}
+
+func (UnimplementedContainersServer) Fork(context.Context, *ForkContainerRequest) (*ForkContainerResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method Fork not implemented")
+}
+func (UnimplementedContainersServer) mustEmbedUnimplementedContainersServer() {}
+func (UnimplementedContainersServer) testEmbeddedByValue()                    {}
+
+// UnsafeContainersServer may be embedded to opt out of forward compatibility for this service.
+// Use of this interface is not recommended, as added methods to ContainersServer will
+// result in compilation errors.
+type UnsafeContainersServer interface {
+	mustEmbedUnimplementedContainersServer()
+}
+
+func RegisterContainersServer(s grpc.ServiceRegistrar, srv ContainersServer) {
+	// If the following call panics, it indicates UnimplementedContainersServer was
+	// embedded by pointer and is nil.  This will cause panics if an
+	// unimplemented method is ever invoked, so we test this at initialization
+	// time to prevent it from happening at runtime later due to I/O.
+	if t, ok := srv.(interface{ testEmbeddedByValue() }); ok {
+		t.testEmbeddedByValue()
+	}
+	s.RegisterService(&Containers_ServiceDesc, srv)
+}
+
+func _Containers_Fork_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(ForkContainerRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(ContainersServer).Fork(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Containers_Fork_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(ContainersServer).Fork(ctx, req.(*ForkContainerRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+// Containers_ServiceDesc is the grpc.ServiceDesc for Containers service.
+// It's only intended for direct use with grpc.RegisterService,
+// and not to be introspected or modified (even as a copy)
+var Containers_ServiceDesc = grpc.ServiceDesc{
+	ServiceName: "tidepool.api.v1.Containers",
+	HandlerType: (*ContainersServer)(nil),
+	Methods: []grpc.MethodDesc{
+		{
+			MethodName: "Fork",
+			Handler:    _Containers_Fork_Handler,
+		},
+	},
+	Streams:  []grpc.StreamDesc{},
+	Metadata: "tidepool.proto",
+}
+
+const (
 	Daemon_Info_FullMethodName = "/tidepool.api.v1.Daemon/Info"
 )
 

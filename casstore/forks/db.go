@@ -132,6 +132,54 @@ func putFork(tx *bolt.Tx, f *Fork) error {
 // that an earlier create already used, it returns that create's fork (same base
 // required) and writes nothing.
 func (d *DB) Create(_ context.Context, req CreateRequest) (*Fork, error) {
+	f, err := d.newFork(req, casstore.Hash{}, "")
+	if err != nil {
+		return nil, fmt.Errorf("create fork: %w", err)
+	}
+	err = d.guarded(req.Base, func() error {
+		return d.db.Update(func(tx *bolt.Tx) error { return insertFork(tx, &f) })
+	})
+	if err != nil {
+		return nil, fmt.Errorf("create fork: %w", err)
+	}
+	return f, nil
+}
+
+// CreateAt makes one fork per request in a single transaction, each based on its
+// request's Base and already advanced to root, with Base in its history under
+// reason: branches of a container's work, which started at Base and reached root.
+// Request ids dedup as in Create. Nothing is written unless every fork is.
+func (d *DB) CreateAt(_ context.Context, reqs []CreateRequest, root casstore.Hash, reason string) ([]*Fork, error) {
+	if root.IsZero() {
+		return nil, fmt.Errorf("create forks: no root: %w", errdefs.ErrInvalidArgument)
+	}
+	out := make([]*Fork, len(reqs))
+	for i, req := range reqs {
+		f, err := d.newFork(req, root, reason)
+		if err != nil {
+			return nil, fmt.Errorf("create fork %d: %w", i+1, err)
+		}
+		out[i] = f
+	}
+	err := d.guarded(root, func() error {
+		return d.db.Update(func(tx *bolt.Tx) error {
+			for i := range out {
+				if err := insertFork(tx, &out[i]); err != nil {
+					return err
+				}
+			}
+			return nil
+		})
+	})
+	if err != nil {
+		return nil, fmt.Errorf("create forks: %w", err)
+	}
+	return out, nil
+}
+
+// newFork checks req and builds its record; a non-zero root starts the fork there,
+// with its base as the first revision.
+func (d *DB) newFork(req CreateRequest, root casstore.Hash, reason string) (*Fork, error) {
 	if req.TTL < 0 {
 		return nil, fmt.Errorf("fork ttl %s is negative: %w", req.TTL, errdefs.ErrInvalidArgument)
 	}
@@ -140,7 +188,7 @@ func (d *DB) Create(_ context.Context, req CreateRequest) (*Fork, error) {
 	}
 	rid, err := req.requestID()
 	if err != nil {
-		return nil, fmt.Errorf("create fork: %w", err)
+		return nil, err
 	}
 	labels := req.Labels
 	if rid != "" && labels[RequestIDLabel] == "" {
@@ -155,34 +203,37 @@ func (d *DB) Create(_ context.Context, req CreateRequest) (*Fork, error) {
 		ID: NewID(), Label: req.Label, Base: req.Base, Root: req.Base,
 		Created: now, Updated: now, TTL: Duration(req.TTL), Labels: labels,
 	}
-	err = d.guarded(req.Base, func() error {
-		return d.db.Update(func(tx *bolt.Tx) error {
-			if rid != "" {
-				if id := tx.Bucket(bucketRequests).Get([]byte(rid)); id != nil {
-					prev, err := getFork(tx, string(id))
-					if err != nil {
-						return fmt.Errorf("request %s already made fork %s, which no longer exists: %w", rid, id, errdefs.ErrAlreadyExists)
-					}
-					if prev.Base != req.Base {
-						return fmt.Errorf("request %s already made fork %s of another base (%s): %w", rid, id, prev.Base.Short(), errdefs.ErrAlreadyExists)
-					}
-					f = prev
-					return nil
-				}
-				if err := tx.Bucket(bucketRequests).Put([]byte(rid), []byte(f.ID)); err != nil {
-					return err
-				}
-			}
-			if tx.Bucket(bucketForks).Get([]byte(f.ID)) != nil {
-				return fmt.Errorf("fork id collision %s: %w", f.ID, errdefs.ErrAlreadyExists)
-			}
-			return putFork(tx, f)
-		})
-	})
-	if err != nil {
-		return nil, fmt.Errorf("create fork: %w", err)
+	if !root.IsZero() && root != req.Base {
+		f.History = []Revision{{Root: req.Base, Time: now, Reason: reason}}
+		f.Root = root
 	}
 	return f, nil
+}
+
+// insertFork writes *f, or replaces *f with the fork an earlier create with the same
+// request id made (which must have the same base).
+func insertFork(tx *bolt.Tx, f **Fork) error {
+	nf := *f
+	if rid := nf.Labels[RequestIDLabel]; rid != "" {
+		if id := tx.Bucket(bucketRequests).Get([]byte(rid)); id != nil {
+			prev, err := getFork(tx, string(id))
+			if err != nil {
+				return fmt.Errorf("request %s already made fork %s, which no longer exists: %w", rid, id, errdefs.ErrAlreadyExists)
+			}
+			if prev.Base != nf.Base {
+				return fmt.Errorf("request %s already made fork %s of another base (%s): %w", rid, id, prev.Base.Short(), errdefs.ErrAlreadyExists)
+			}
+			*f = prev
+			return nil
+		}
+		if err := tx.Bucket(bucketRequests).Put([]byte(rid), []byte(nf.ID)); err != nil {
+			return err
+		}
+	}
+	if tx.Bucket(bucketForks).Get([]byte(nf.ID)) != nil {
+		return fmt.Errorf("fork id collision %s: %w", nf.ID, errdefs.ErrAlreadyExists)
+	}
+	return putFork(tx, nf)
 }
 
 // forgetRequest drops the request id index entry of a fork being removed.

@@ -67,6 +67,9 @@ func build(ctx context.Context, store *casstore.Store, opts Options, walk func(b
 	if err != nil {
 		return casstore.Hash{}, Stats{}, err
 	}
+	if opts.BufferBytes > 0 {
+		batch.Buffer(opts.BufferBytes)
+	}
 	committed := false
 	defer func() {
 		if !committed {
@@ -101,6 +104,9 @@ func build(ctx context.Context, store *casstore.Store, opts Options, walk func(b
 		return casstore.Hash{}, Stats{}, err
 	}
 	b.ctx = ctx // errgroup cancels gctx once Wait returns
+	if opts.Read != nil {
+		opts.Read()
+	}
 	h, err := b.finish(root)
 	if err != nil {
 		return casstore.Hash{}, Stats{}, err

@@ -33,6 +33,16 @@ type Options struct {
 	// new root) is live before any garbage collection can look. Its error is the
 	// ingest's error; the objects stay published (unreferenced, for gc).
 	Record func(root casstore.Hash) error
+	// Read, if set, is called once every entry of the source has been read (files
+	// staged in the store's temp area), before trees are written and objects
+	// published: after it the source may change freely. A caller that froze the
+	// source's writers (a container being branched) lets them go here. It is called
+	// at most once, and not at all if the walk fails.
+	Read func()
+	// BufferBytes, if positive, keeps up to that many bytes of new objects in
+	// memory while the source is read, writing them to the store only after Read:
+	// the source is read, not copied, in the time Read ends.
+	BufferBytes int64
 }
 
 // ProgressInterval is the minimum time between two Progress calls (the final call is

@@ -35,6 +35,10 @@ type Server struct {
 	// Pools serves warm-pool claims; nil when pools are not in use.
 	Pools *pool.Controller
 	Info  *apiv1.InfoResponse
+	// ContainerdAddress is where containers are found for Containers.Fork.
+	ContainerdAddress string
+
+	ctrd containerdConn
 }
 
 // Register adds every service to g. It also makes Server a containerd gRPC plugin
@@ -44,6 +48,7 @@ func (s *Server) Register(g *grpc.Server) error {
 	apiv1.RegisterSnapshotsServer(g, snapshotsServer{Server: s})
 	apiv1.RegisterDaemonServer(g, daemonServer{Server: s})
 	apiv1.RegisterPoolsServer(g, poolsServer{Server: s})
+	apiv1.RegisterContainersServer(g, containersServer{Server: s})
 	return nil
 }
 
