@@ -121,18 +121,25 @@ func TestLsTreeHonoursSignals(t *testing.T) {
 	e := newEnv(t)
 	a := dag(t, e.store, 40, "one\n")
 	cmd := exec.Command(binary, "--root", e.root, "--max-tree-entries", "4000000000000", "ls-tree", "-r", a.String())
-	cmd.Stdout = io.Discard
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
 	var se strings.Builder
 	cmd.Stderr = &se
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
-	time.Sleep(500 * time.Millisecond)
+	// Signal only once the walk prints (its signal handling is set up by then,
+	// however slowly a loaded machine started the process), and keep draining.
+	if _, err := out.Read(make([]byte, 1)); err != nil {
+		t.Fatalf("ls-tree -r printed nothing: %v", err)
+	}
 	if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
 		t.Fatal(err)
 	}
 	done := make(chan error, 1)
-	go func() { done <- cmd.Wait() }()
+	go func() { io.Copy(io.Discard, out); done <- cmd.Wait() }()
 	select {
 	case err := <-done:
 		if err == nil || !strings.Contains(se.String(), "context canceled") {

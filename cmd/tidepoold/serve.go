@@ -167,6 +167,9 @@ func serve(ctx context.Context, cfg *plugin.Config) (retErr error) {
 		snapSrv.Stop()
 		apiSrv.Stop()
 	}
+	if err := c.api.Close(); err != nil {
+		log.G(ctx).WithError(err).Warn("close the API server's containerd connection")
+	}
 	if metricsSrv != nil {
 		sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		metricsSrv.Shutdown(sctx)
