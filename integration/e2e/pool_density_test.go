@@ -207,10 +207,10 @@ func measureIdle(t testing.TB, s *stack.Stack, before baseline) idleCost {
 	return c
 }
 
-// drainPools restarts tidepoold with its pool replaced by one whose image does not
+// drainDensePool restarts tidepoold with its pool replaced by one whose image does not
 // exist: it destroys every member of the pool no longer configured. Then nothing of them may be left: no container, shim, cgroup,
 // mount, runc state, bundle, or shim group state.
-func drainPools(t testing.TB, s *stack.Stack, groups map[string]string) {
+func drainDensePool(t testing.TB, s *stack.Stack, groups map[string]string) {
 	t.Helper()
 	cfgPath := filepath.Join(s.Dir, "tidepoold.toml")
 	cfg, err := os.ReadFile(cfgPath)
@@ -308,7 +308,7 @@ func TestPoolDensity(t *testing.T) {
 	// Refilled into the groups' shims, not new ones.
 	waitPoolLong(t, s, "dense", n, 2*time.Minute)
 	checkSharedShims(t, s)
-	drainPools(t, s, memberGroups(t, s))
+	drainDensePool(t, s, memberGroups(t, s))
 }
 
 // BenchmarkPoolDensity: memory per idle member with 200 members in shim groups of 100
@@ -326,7 +326,7 @@ func BenchmarkPoolDensity(b *testing.B) {
 			b.Log(msg)
 		}
 		groups := memberGroups(b, s)
-		drainPools(b, s, groups)
+		drainDensePool(b, s, groups)
 		return c
 	}
 	// Minutes per measurement: measured once per test binary, whatever b.N (the
