@@ -77,7 +77,7 @@ func (t *Template) Validate() error {
 		// A member is a runc container frozen around a holder that receives the
 		// workload over a bind-mounted socket; a Firecracker VM has neither the bind
 		// mount (no virtio-fs) nor the freezer. The plan is contrib/kata-fc/pools.md.
-		return bad("runtime %q: VM pools are not implemented (contrib/kata-fc/pools.md); members run on a runc-kind route (runc, runsc)", t.Runtime)
+		return bad("runtime %q: warm VM members are not offered (the plan is contrib/kata-fc/pools.md); members run on a runc-kind route (runc, runsc)", t.Runtime)
 	}
 	if t.Workdir == "" {
 		t.Workdir = binding.DefaultWorkdir
