@@ -99,19 +99,11 @@ func (b *Batch) flushLocked() error {
 			delete(b.buffered, h)
 			continue
 		}
-		f, err := b.createTemp()
+		tmp, err := b.writeTemp(h, data)
 		if err != nil {
 			return err
 		}
-		_, err = f.Write(data)
-		if cerr := f.Close(); err == nil {
-			err = cerr
-		}
-		if err != nil {
-			os.Remove(f.Name())
-			return fmt.Errorf("write object %s: %w", h, err)
-		}
-		b.pending[h] = f.Name()
+		b.pending[h] = tmp
 		b.sizes[h] = int64(len(data))
 		b.bufLeft += int64(len(data))
 		delete(b.buffered, h)
@@ -224,9 +216,19 @@ func (b *Batch) putBytes(h Hash, data []byte) error {
 	if b.have(h) || b.buffer(h, data) {
 		return nil
 	}
-	f, err := b.createTemp()
+	tmp, err := b.writeTemp(h, data)
 	if err != nil {
 		return err
+	}
+	b.stage(h, tmp, int64(len(data)))
+	return nil
+}
+
+// writeTemp writes data, known to hash to h, to a new temp file and returns its name.
+func (b *Batch) writeTemp(h Hash, data []byte) (string, error) {
+	f, err := b.createTemp()
+	if err != nil {
+		return "", err
 	}
 	_, err = f.Write(data)
 	if cerr := f.Close(); err == nil {
@@ -234,10 +236,9 @@ func (b *Batch) putBytes(h Hash, data []byte) error {
 	}
 	if err != nil {
 		os.Remove(f.Name())
-		return fmt.Errorf("write object %s: %w", h, err)
+		return "", fmt.Errorf("write object %s: %w", h, err)
 	}
-	b.stage(h, f.Name(), int64(len(data)))
-	return nil
+	return f.Name(), nil
 }
 
 // Put streams r into a staged object, hashing as it writes.

@@ -5,11 +5,8 @@ import (
 	"encoding/binary"
 	"fmt"
 	"io"
-	"os"
-	"path/filepath"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/minio/minio-go/v7"
 
@@ -291,29 +288,7 @@ func TestPackPullInterrupted(t *testing.T) {
 		t.Fatal(err)
 	}
 	b := newStore(t)
-	r := openRemote(t, srv, 4)
-	done := make(chan error, 1)
-	go func() { _, err := r.Pull(ctx, b, root); done <- err }()
-	for r.Metrics().Snapshot().ObjectsFetched < 40 {
-		select {
-		case err := <-done:
-			t.Fatalf("pull finished before the server could be killed: %v", err)
-		case <-time.After(time.Millisecond):
-		}
-	}
-	srv.Kill()
-	err := <-done
-	if err == nil {
-		t.Fatal("pull succeeded with the server killed midway")
-	}
-	if !strings.Contains(err.Error(), "s3://"+srv.Bucket+"/"+prefix) || strings.Contains(err.Error(), "\n") {
-		t.Fatalf("error does not name the remote on one line: %v", err)
-	}
-	t.Logf("interrupted pull: %v (metrics %+v)", err, r.Metrics().Snapshot())
-	checkComplete(t, b)
-	if ents, _ := os.ReadDir(filepath.Join(b.Root(), ".tidepool-tmp")); len(ents) != 0 {
-		t.Fatalf("temp files left behind: %d", len(ents))
-	}
+	pullKilledMidway(ctx, t, srv, openRemote(t, srv, 4), b, root, 40)
 	srv.Restart(t)
 	pr, err := openRemote(t, srv, 8).Pull(ctx, b, root)
 	if err != nil {

@@ -51,6 +51,35 @@ func openRemoteNoPacks(t *testing.T, srv *s3test.Server, conc int) *remote.Remot
 	return r
 }
 
+// pullKilledMidway pulls root into b and kills the server once after objects are
+// fetched: the pull must fail with one line naming the remote, leaving only whole
+// objects and no temp files.
+func pullKilledMidway(ctx context.Context, t *testing.T, srv *s3test.Server, r *remote.Remote, b *casstore.Store, root casstore.Hash, after int64) {
+	t.Helper()
+	done := make(chan error, 1)
+	go func() { _, err := r.Pull(ctx, b, root); done <- err }()
+	for r.Metrics().Snapshot().ObjectsFetched < after {
+		select {
+		case err := <-done:
+			t.Fatalf("pull finished before the server could be killed: %v", err)
+		case <-time.After(time.Millisecond):
+		}
+	}
+	srv.Kill()
+	err := <-done
+	if err == nil {
+		t.Fatal("pull succeeded with the server killed midway")
+	}
+	if !strings.Contains(err.Error(), "s3://"+srv.Bucket+"/"+prefix) || strings.Contains(err.Error(), "\n") {
+		t.Fatalf("error does not name the remote on one line: %v", err)
+	}
+	t.Logf("interrupted pull: %v (metrics %+v)", err, r.Metrics().Snapshot())
+	checkComplete(t, b) // every object present is whole
+	if ents, _ := os.ReadDir(filepath.Join(b.Root(), ".tidepool-tmp")); len(ents) != 0 {
+		t.Fatalf("temp files left behind: %d", len(ents))
+	}
+}
+
 func newStore(t *testing.T) *casstore.Store {
 	t.Helper()
 	s, err := casstore.Open(filepath.Join(t.TempDir(), "cas"))
@@ -419,29 +448,8 @@ func TestPullInterrupted(t *testing.T) {
 		t.Fatal(err)
 	}
 	b := newStore(t)
-	r := openRemoteNoPacks(t, srv, 2) // the per-object path; pack_test.go interrupts a pack
-	done := make(chan error, 1)
-	go func() { _, err := r.Pull(ctx, b, root); done <- err }()
-	for r.Metrics().Snapshot().ObjectsFetched < 200 {
-		select {
-		case err := <-done:
-			t.Fatalf("pull finished before the server could be killed: %v", err)
-		case <-time.After(time.Millisecond):
-		}
-	}
-	srv.Kill()
-	err := <-done
-	if err == nil {
-		t.Fatal("pull succeeded with the server killed midway")
-	}
-	if !strings.Contains(err.Error(), "s3://"+srv.Bucket+"/"+prefix) || strings.Contains(err.Error(), "\n") {
-		t.Fatalf("error does not name the remote on one line: %v", err)
-	}
-	t.Logf("interrupted pull: %v", err)
-	checkComplete(t, b) // every object present is whole
-	if ents, _ := os.ReadDir(filepath.Join(b.Root(), ".tidepool-tmp")); len(ents) != 0 {
-		t.Fatalf("temp files left behind: %d", len(ents))
-	}
+	// The per-object path; pack_test.go interrupts a pack.
+	pullKilledMidway(ctx, t, srv, openRemoteNoPacks(t, srv, 2), b, root, 200)
 	srv.Restart(t)
 	pr, err := openRemote(t, srv, 8).Pull(ctx, b, root)
 	if err != nil {
