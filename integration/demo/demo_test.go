@@ -14,14 +14,13 @@ import (
 	"os/exec"
 	"path/filepath"
 	"runtime"
-	"slices"
-	"strconv"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/tidepool-dev/tidepool/binding"
 	"github.com/tidepool-dev/tidepool/casstore/forks"
+	"github.com/tidepool-dev/tidepool/integration/harness"
 	"github.com/tidepool-dev/tidepool/integration/imagebuild"
 	"github.com/tidepool-dev/tidepool/integration/stack"
 	"github.com/tidepool-dev/tidepool/shim"
@@ -254,7 +253,7 @@ func leakCheckBesidesPool(t *testing.T, s *stack.Stack) {
 		keep(l.Bundles...)
 		// Members share shims (grouped): a shim is the pool's while it is the
 		// parent of a member's task, whatever member it was started for.
-		serving := memberShims(t, s, members)
+		serving := harness.TaskParents(s.MustCtr(t, "tasks", "ls"), members...)
 		for _, p := range l.Shims {
 			if !serving[p.Pid] {
 				keep(fmt.Sprint(p))
@@ -268,30 +267,6 @@ func leakCheckBesidesPool(t *testing.T, s *stack.Stack) {
 		}
 		time.Sleep(100 * time.Millisecond)
 	}
-}
-
-// memberShims is the set of shim pids that are the parent of a member's task.
-func memberShims(t *testing.T, s *stack.Stack, members []string) map[int]bool {
-	t.Helper()
-	serving := map[int]bool{}
-	for _, line := range strings.Split(s.MustCtr(t, "tasks", "ls"), "\n")[1:] {
-		f := strings.Fields(line)
-		if len(f) < 2 || !slices.Contains(members, f[0]) {
-			continue
-		}
-		status, err := os.ReadFile("/proc/" + f[1] + "/status")
-		if err != nil {
-			continue // gone: its shim is not serving it
-		}
-		for _, l := range strings.Split(string(status), "\n") {
-			if v, ok := strings.CutPrefix(l, "PPid:"); ok {
-				if ppid, err := strconv.Atoi(strings.TrimSpace(v)); err == nil {
-					serving[ppid] = true
-				}
-			}
-		}
-	}
-	return serving
 }
 
 // shimRun is `ctr run --rm` of the baked image through the tidepool runtime shim, with

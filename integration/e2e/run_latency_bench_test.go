@@ -118,12 +118,7 @@ func leftOfMembers(t testing.TB, s *stack.Stack, members []string) string {
 	}
 	// Members share shims: a shim started for a claimed member lives on while it is
 	// the parent of another task (its group's).
-	serving := map[int]bool{}
-	for _, line := range strings.Split(s.MustCtr(t, "tasks", "ls"), "\n")[1:] {
-		if f := strings.Fields(line); len(f) >= 2 {
-			serving[int(procKiB("/proc/"+f[1]+"/status", "PPid:"))] = true
-		}
-	}
+	serving := harness.TaskParents(s.MustCtr(t, "tasks", "ls"))
 	for _, p := range shims {
 		if !serving[p.Pid] {
 			names = append(names, strings.Join(p.Cmdline, " "))

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -278,4 +279,29 @@ func (c *Containerd) LeakCheck(t testing.TB) {
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
+}
+
+// TaskParents is the set of parent pids (the shims) of the tasks that `ctr tasks
+// ls` printed, only of the containers ids if any are given: with grouped shims a
+// shim lives on while it parents a task, whatever container it was started for.
+func TaskParents(tasksLs string, ids ...string) map[int]bool {
+	parents := map[int]bool{}
+	for _, line := range strings.Split(tasksLs, "\n")[1:] {
+		f := strings.Fields(line)
+		if len(f) < 2 || (len(ids) > 0 && !slices.Contains(ids, f[0])) {
+			continue
+		}
+		status, err := os.ReadFile("/proc/" + f[1] + "/status")
+		if err != nil {
+			continue // gone: nothing parents it
+		}
+		for _, l := range strings.Split(string(status), "\n") {
+			if v, ok := strings.CutPrefix(l, "PPid:"); ok {
+				if ppid, err := strconv.Atoi(strings.TrimSpace(v)); err == nil {
+					parents[ppid] = true
+				}
+			}
+		}
+	}
+	return parents
 }
