@@ -34,6 +34,11 @@ type RunSpec struct {
 
 // RunIO connects the workload to its caller.
 type RunIO struct {
+	// Stdio, if set, are the workload's stdin, stdout and stderr themselves (the
+	// caller's pipes, handed over on the run socket): they go to the holder as they
+	// are and nothing is relayed; Run closes them once handed on. Stdin, Stdout and
+	// Stderr are then unused.
+	Stdio          []*os.File
 	Stdin          io.Reader // nil: /dev/null
 	Stdout, Stderr io.Writer
 	Signals        <-chan syscall.Signal
@@ -118,8 +123,14 @@ func (c *Controller) Run(ctx context.Context, spec RunSpec, rio RunIO) (RunResul
 	}
 	tClaimed := time.Since(start)
 
-	stdio, parent, err := pipes(rio.Stdin != nil)
+	stdio, parent, err := rio.Stdio, []*os.File(nil), error(nil)
+	if stdio == nil {
+		stdio, parent, err = pipes(rio.Stdin != nil)
+	} else if len(stdio) != 3 {
+		err = fmt.Errorf("run: %d stdio descriptors, want 3: %w", len(stdio), errdefs.ErrInvalidArgument)
+	}
 	if err != nil {
+		closeAll(rio.Stdio)
 		p.destroy(ctx, m)
 		p.release()
 		return res, err
@@ -160,10 +171,12 @@ func (c *Controller) Run(ctx context.Context, spec RunSpec, rio RunIO) (RunResul
 		}
 		io.Copy(w, r)
 	}
-	copies.Add(2)
-	go relay(rio.Stdout, parent[1])
-	go relay(rio.Stderr, parent[2])
-	if rio.Stdin != nil {
+	if parent != nil {
+		copies.Add(2)
+		go relay(rio.Stdout, parent[1])
+		go relay(rio.Stderr, parent[2])
+	}
+	if parent != nil && rio.Stdin != nil {
 		go func() {
 			io.Copy(parent[0], rio.Stdin)
 			parent[0].Close()

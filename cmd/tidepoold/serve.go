@@ -25,6 +25,7 @@ import (
 
 	"github.com/tidepool-dev/tidepool/internal/peercred"
 	"github.com/tidepool-dev/tidepool/localapi/apiserver"
+	"github.com/tidepool-dev/tidepool/localapi/runwire"
 	"github.com/tidepool-dev/tidepool/plugin"
 	"github.com/tidepool-dev/tidepool/pool"
 	"github.com/tidepool-dev/tidepool/snapshotgc"
@@ -107,7 +108,7 @@ func serve(ctx context.Context, cfg *plugin.Config) (retErr error) {
 		return err
 	}
 
-	errc := make(chan error, 3)
+	errc := make(chan error, 4)
 	for _, s := range []struct {
 		srv  *grpc.Server
 		addr string
@@ -119,6 +120,20 @@ func serve(ctx context.Context, cfg *plugin.Config) (retErr error) {
 		defer os.Remove(s.addr)
 		go func(srv *grpc.Server, l net.Listener) { errc <- srv.Serve(l) }(s.srv, l)
 	}
+	// The run socket: `tidepool run`'s fast path (package runwire), beside the API.
+	runAddr := runwire.Address(cfg.APIAddress)
+	runL, err := listenUnix(runAddr)
+	if err != nil {
+		return err
+	}
+	defer os.Remove(runAddr)
+	runDone := make(chan struct{})
+	go func() {
+		defer close(runDone)
+		if err := c.api.ServeRun(context.WithoutCancel(ctx), runL); err != nil {
+			errc <- fmt.Errorf("run socket: %w", err)
+		}
+	}()
 	var metricsSrv *http.Server
 	if cfg.MetricsAddress != "" {
 		l, err := net.Listen("tcp", cfg.MetricsAddress)
@@ -161,11 +176,17 @@ func serve(ctx context.Context, cfg *plugin.Config) (retErr error) {
 		apiSrv.GracefulStop()
 		close(stopped)
 	}()
+	runL.Close() // no new runs; those under way finish with their result
 	select {
 	case <-stopped:
 	case <-time.After(shutdownGrace):
 		snapSrv.Stop()
 		apiSrv.Stop()
+	}
+	select {
+	case <-runDone:
+	case <-time.After(shutdownGrace):
+		log.G(ctx).Warn("runs still under way at shutdown")
 	}
 	if err := c.api.Close(); err != nil {
 		log.G(ctx).WithError(err).Warn("close the API server's containerd connection")

@@ -22,7 +22,7 @@ const (
 
 // installBinaries are copied from the directory of the running tidepool (or
 // --from) into installBinDir.
-var installBinaries = []string{"tidepool", "tidepoold", "containerd-shim-tidepool-v1", "tidepool-holder"}
+var installBinaries = []string{"tidepool", "tidepool-cli", "tidepoold", "containerd-shim-tidepool-v1", "tidepool-holder"}
 
 // unitWants are the links `systemctl enable tidepoold` would make (the unit's
 // [Install] WantedBy); install makes them itself, so it needs no running systemd

@@ -2,12 +2,9 @@ package main
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
-	"os"
 	"path/filepath"
-	"syscall"
 	"time"
 
 	"github.com/containerd/log"
@@ -15,6 +12,7 @@ import (
 
 	"github.com/tidepool-dev/tidepool/casstore"
 	"github.com/tidepool-dev/tidepool/casstore/forks"
+	"github.com/tidepool-dev/tidepool/internal/runcmd"
 	"github.com/tidepool-dev/tidepool/localapi"
 )
 
@@ -145,30 +143,13 @@ func (g storeGuard) Has(h casstore.Hash) (bool, error) {
 	return s.Has(h)
 }
 
-// daemonState is what tidepoold writes to ROOT/tidepoold.json while it runs.
-type daemonState struct {
-	PID        int    `json:"pid"`
-	APIAddress string `json:"api_address"`
-}
-
 // daemonAddress is the API socket of the tidepoold that owns this root: --api-address,
 // or the one its state file records while it runs; "" when none runs.
 func (a *app) daemonAddress() string {
 	if a.apiAddress != "" {
 		return a.apiAddress
 	}
-	b, err := os.ReadFile(filepath.Join(a.root, "tidepoold.json"))
-	if err != nil {
-		return ""
-	}
-	var st daemonState
-	if err := json.Unmarshal(b, &st); err != nil || st.APIAddress == "" {
-		return ""
-	}
-	if st.PID > 0 && syscall.Kill(st.PID, 0) == syscall.ESRCH {
-		return "" // a daemon that died without cleaning up
-	}
-	return st.APIAddress
+	return runcmd.APIAddress(a.root)
 }
 
 // dialDaemon connects to the tidepoold that owns this root, if one runs. It returns

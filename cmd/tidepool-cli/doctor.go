@@ -13,6 +13,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/tidepool-dev/tidepool/hostcheck"
+	"github.com/tidepool-dev/tidepool/internal/runcmd"
 )
 
 func init() { commands = append(commands, newDoctorCommand) }
@@ -62,7 +63,7 @@ the fix. Exits 1 when a required check is not ok. Run as root.`,
 				if !d.jsonOut {
 					fmt.Fprintln(os.Stderr, "tidepool doctor: a required check failed")
 				}
-				return exitError{1}
+				return runcmd.ExitError{Status: 1}
 			}
 			return nil
 		},
