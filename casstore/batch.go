@@ -10,6 +10,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/containerd/log"
 	"golang.org/x/sys/unix"
 	"lukechampine.com/blake3"
 )
@@ -47,15 +48,19 @@ type Batch struct {
 	// syncEach is the number of new objects up to which Commit fsyncs them one by
 	// one (in parallel) instead of syncing the whole filesystem.
 	syncEach int
+	// journal is the durable journal of the objects being published, if any.
+	journal string
 }
 
 // Buffer makes the batch keep new objects in memory, up to limit bytes in all,
 // instead of staging each as a temp file at once; they are staged by Flush or at
 // Commit. A caller that froze the source it reads (a container being branched)
 // lets it go after reading, not after writing every object. Such a caller also
-// waits for the commit, so a buffered batch syncs up to bufferedSyncEach objects one
-// by one, in parallel, rather than the whole filesystem (whose other writers'
-// dirty data a syncfs would wait for too).
+// waits for the commit: when every new object is still in memory at Commit, the
+// batch makes them durable with one journal sync and settles them later (see
+// journal.go); otherwise it syncs up to bufferedSyncEach objects one by one, in
+// parallel, rather than the whole filesystem (whose other writers' dirty data a
+// syncfs would wait for too).
 func (b *Batch) Buffer(limit int64) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
@@ -353,12 +358,23 @@ func (b *Batch) Publish() (release func(), err error) {
 		return nil, errors.New("batch already finished")
 	}
 	b.done = true
+	// A buffered batch whose new objects are all in memory journals them: one sync
+	// instead of one per object and directory (see journal.go).
+	if len(b.pending) == 0 && len(b.buffered) > 0 {
+		if journal, err := b.s.writeJournal(b.buffered); err == nil {
+			b.journal = journal
+		} else {
+			log.L.WithError(err).Warn("store: journal not written; syncing objects one by one")
+		}
+	}
 	if err := b.flushLocked(); err != nil {
 		b.removePending()
+		b.dropJournal()
 		b.lock.Close()
 		return nil, err
 	}
 	if err := b.publish(); err != nil {
+		b.dropJournal()
 		b.lock.Close()
 		return nil, err
 	}
@@ -366,18 +382,28 @@ func (b *Batch) Publish() (release func(), err error) {
 	return func() { lf.Close() }, nil
 }
 
-func (b *Batch) publish() error {
-	// Publication time, not write time, is what garbage collection's grace period
-	// must count from: the caller references these objects only after Commit. Reused
-	// objects get the same time, so a new tree is never younger than what it names.
+// touchReused gives the stored objects the batch relies on the publication time, now,
+// which it returns.
+func (b *Batch) touchReused() time.Time {
 	now := time.Now()
 	for h := range b.reused {
 		if _, staged := b.pending[h]; !staged {
 			_ = os.Chtimes(b.s.Path(h), now, now) // best effort: a read-only LunarFS store still works
 		}
 	}
+	return now
+}
+
+func (b *Batch) publish() error {
+	// Publication time, not write time, is what garbage collection's grace period
+	// must count from: the caller references these objects only after Commit. Reused
+	// objects get the same time, so a new tree is never younger than what it names.
+	now := b.touchReused()
 	if len(b.pending) == 0 {
 		return nil
+	}
+	if b.journal != "" {
+		return b.publishJournaled(now)
 	}
 	few := len(b.pending) <= b.syncEach
 	if few {
@@ -435,6 +461,48 @@ func (b *Batch) publish() error {
 	// it (a read-only LunarFS store) fails nothing.
 	_ = b.s.sizes.add(published)
 	return nil
+}
+
+// publishJournaled publishes the staged objects, which the batch's journal already
+// holds durably, without syncing them; they are settled later (see journal.go).
+func (b *Batch) publishJournaled(now time.Time) error {
+	objects := make([]string, 0, len(b.pending))
+	published := make([]SizeEntry, 0, len(b.pending))
+	for h, tmp := range b.pending {
+		_ = os.Chtimes(tmp, now, now)
+		final := b.s.Path(h)
+		err := error(nil)
+		if b.s.objPerm != 0o600 {
+			err = os.Chmod(tmp, b.s.objPerm)
+		}
+		if err == nil {
+			err = b.s.adopt(tmp)
+		}
+		if err == nil {
+			err = b.s.ensureFanout(filepath.Dir(final))
+		}
+		if err == nil {
+			err = os.Rename(tmp, final)
+		}
+		if err != nil {
+			b.removePending()
+			return fmt.Errorf("publish object %s: %w", h, err)
+		}
+		delete(b.pending, h)
+		objects = append(objects, final)
+		published = append(published, SizeEntry{Hash: h, Size: b.sizes[h]})
+	}
+	b.s.queueSettle(journaled{journal: b.journal, objects: objects, published: published})
+	b.journal = ""
+	return nil
+}
+
+// dropJournal removes the batch's journal when its objects were not published.
+func (b *Batch) dropJournal() {
+	if b.journal != "" {
+		os.Remove(b.journal)
+		b.journal = ""
+	}
 }
 
 // syncPending fsyncs every staged object, several at once: the filesystem's

@@ -68,6 +68,7 @@ type Store struct {
 	uid, gid         int
 	chown            bool
 	sizes            *sizeIndex
+	settle           settler // journaled batches waiting to be made durable in place
 }
 
 // Open opens (creating if needed) the store at root. root may be an existing LunarFS

@@ -10,6 +10,7 @@ import (
 	"strings"
 	"sync"
 
+	"github.com/containerd/log"
 	"golang.org/x/sys/unix"
 )
 
@@ -148,5 +149,10 @@ func (s *Store) SweepDeadTemp() (int, error) {
 // sweepDeadOnce runs SweepDeadTemp on a process's first batch in this store. Errors
 // are ignored: a read-only store (a LunarFS store of another user) still works.
 func (s *Store) sweepDeadOnce() {
-	s.deadOnce.Do(func() { _, _ = s.SweepDeadTemp() })
+	s.deadOnce.Do(func() {
+		if _, err := s.replayDeadJournals(); err != nil { // Begin holds the lock
+			log.L.WithError(err).WithField("store", s.root).Warn("store: replaying journals of writers that died")
+		}
+		_, _ = s.SweepDeadTemp()
+	})
 }

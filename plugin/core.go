@@ -46,6 +46,13 @@ func NewCore(ctx context.Context, cfg *Config) (_ *Core, retErr error) {
 	if err != nil {
 		return nil, err
 	}
+	// Before anything reads the store: objects a journal of a dead writer holds are
+	// made whole again (see casstore's journal.go).
+	if n, err := store.ReplayDeadJournals(); err != nil {
+		return nil, fmt.Errorf("replay store journals: %w", err)
+	} else if n > 0 {
+		log.G(ctx).WithField("objects", n).Warn("restored objects from journals left by dead writers")
+	}
 	if n, err := store.SweepDeadTemp(); err != nil {
 		log.G(ctx).WithError(err).Warn("removing temp files left by dead writers failed")
 	} else if n > 0 {
@@ -169,6 +176,7 @@ func (c *Core) Close() error {
 	c.once.Do(func() {
 		c.cancel()
 		c.wg.Wait()
+		c.Store.Settle() // journaled branches made durable in place, their journals gone
 		err = errors.Join(
 			c.Snapshotter.Close(),
 			c.Views.Close(context.Background()),

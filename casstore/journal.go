@@ -1,0 +1,363 @@
+package casstore
+
+import (
+	"bufio"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/containerd/log"
+	"golang.org/x/sys/unix"
+)
+
+// A buffered batch (see Batch.Buffer: a container being branched, whose caller waits)
+// makes its new objects durable with one fsync instead of one per object and one per
+// fan-out directory: before publishing, it writes every new object into one journal
+// file, STORE/.tidepool-tmp/journal/jnl-PID.START-RANDOM, and syncs that file and its
+// directory. Then the objects are published as usual (temp file, rename) without
+// syncing, the caller records what names them, and later, in the background (see
+// settler), one syncfs makes them durable in place, their sizes go to the size index
+// and the journal is removed.
+//
+// A journal whose writer no longer runs (its name says who, as for temp files) is
+// replayed by the next batch in any process and by tidepoold's start (SweepDeadTemp):
+// every entry that hashes to its name is written again, durably, where the object is
+// missing or does not hash to its name; objects already right are synced; then the
+// journal goes. An entry is its 32-byte hash, its 8-byte length and its bytes; a torn
+// tail (a crash while the journal was written, before anything named its objects)
+// ends the replay of that journal. So after a crash at any point every object a record
+// names is whole once a writer or tidepoold has started, and nothing is half-written
+// under an object's name.
+
+const (
+	journalDirName = "journal"
+	journalMagic   = "TPJRNL1\n"
+)
+
+// journalDir is where journals live (below the temp directory, whose sweep skips it).
+func (s *Store) journalDir() string { return filepath.Join(s.tmp, journalDirName) }
+
+// writeJournal writes objects into a new journal and makes it durable; it returns
+// the journal's path.
+func (s *Store) writeJournal(objects map[Hash][]byte) (string, error) {
+	dir := s.journalDir()
+	if err := os.Mkdir(dir, 0o700); err != nil && !errors.Is(err, fs.ErrExist) {
+		return "", fmt.Errorf("create journal directory: %w", err)
+	}
+	f, err := os.CreateTemp(dir, "jnl-"+strings.TrimPrefix(tempPrefix(), "obj-")+"*")
+	if err != nil {
+		return "", fmt.Errorf("create journal: %w", err)
+	}
+	fail := func(err error) (string, error) {
+		f.Close()
+		os.Remove(f.Name())
+		return "", fmt.Errorf("write journal %s: %w", f.Name(), err)
+	}
+	w := bufio.NewWriterSize(f, 1<<20)
+	w.WriteString(journalMagic)
+	var hdr [HashSize + 8]byte
+	for h, data := range objects {
+		copy(hdr[:], h[:])
+		binary.BigEndian.PutUint64(hdr[HashSize:], uint64(len(data)))
+		w.Write(hdr[:])
+		w.Write(data)
+	}
+	if err := w.Flush(); err != nil {
+		return fail(err)
+	}
+	if err := f.Sync(); err != nil {
+		return fail(err)
+	}
+	if err := f.Close(); err != nil {
+		os.Remove(f.Name())
+		return "", fmt.Errorf("write journal %s: %w", f.Name(), err)
+	}
+	if err := fsyncPath(dir); err != nil {
+		os.Remove(f.Name())
+		return "", fmt.Errorf("sync journal directory: %w", err)
+	}
+	return f.Name(), nil
+}
+
+// Settling is deferred, as pool refills are: a journaled batch's objects are
+// already durable through its journal, so making them durable in place (and dropping
+// the journal) waits until no journaled batch has published for settleQuiet, or
+// settleMax after the oldest waiting one, and then settles every waiting batch with
+// one syncfs. A burst of branches thus pays one journal sync each, and the host's
+// flush comes after the burst rather than inside it.
+const (
+	settleQuiet = 300 * time.Millisecond
+	settleMax   = 30 * time.Second
+	// settleBacklog settles at once when this many journals wait.
+	settleBacklog = 256
+)
+
+// journaled is a published batch whose journal waits to be settled.
+type journaled struct {
+	journal   string
+	objects   []string
+	published []SizeEntry
+}
+
+// settler defers and groups the settling of journaled batches.
+type settler struct {
+	mu      sync.Mutex
+	waiting []journaled
+	since   time.Time // when the oldest waiting batch was queued
+	timer   *time.Timer
+	running sync.WaitGroup
+}
+
+// queueSettle queues a published batch for settling (see above).
+func (s *Store) queueSettle(j journaled) {
+	st := &s.settle
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	if len(st.waiting) == 0 {
+		st.since = time.Now()
+		st.running.Add(1) // one unit for the whole waiting group
+	}
+	st.waiting = append(st.waiting, j)
+	wait := min(settleQuiet, time.Until(st.since.Add(settleMax)))
+	if len(st.waiting) >= settleBacklog {
+		wait = 0
+	}
+	if st.timer == nil {
+		st.timer = time.AfterFunc(wait, s.settleWaiting)
+	} else {
+		st.timer.Reset(wait)
+	}
+}
+
+// settleWaiting settles every waiting batch: under the GC lock (shared), so a
+// collection's forgetting of an object's size never comes before this adds it;
+// objects collected meanwhile are skipped.
+func (s *Store) settleWaiting() {
+	st := &s.settle
+	st.mu.Lock()
+	group := st.waiting
+	st.waiting = nil
+	st.mu.Unlock()
+	if len(group) == 0 {
+		return
+	}
+	defer st.running.Done()
+	log := log.L.WithField("store", s.root).WithField("journals", len(group))
+	lock, err := s.lock(unix.LOCK_SH)
+	if err != nil {
+		log.WithError(err).Warn("store: settling journals; they stay for replay")
+		return
+	}
+	defer lock.Close()
+	var recorded []SizeEntry
+	for _, j := range group {
+		for i, p := range j.objects {
+			if _, err := os.Lstat(p); err == nil {
+				recorded = append(recorded, j.published[i])
+			}
+		}
+	}
+	// One syncfs makes every object and directory entry of the group durable.
+	if err := s.syncfs(); err != nil {
+		log.WithError(err).Warn("store: syncing journaled objects failed; the journals stay for replay")
+		return
+	}
+	_ = s.sizes.add(recorded)
+	for _, j := range group {
+		if err := os.Remove(j.journal); err != nil && !errors.Is(err, fs.ErrNotExist) {
+			log.WithError(err).WithField("journal", j.journal).Warn("store: remove settled journal")
+		}
+	}
+}
+
+// Settle settles the journaled batches of this process now and waits until they are
+// (tests, and a clean shutdown).
+func (s *Store) Settle() {
+	s.settleWaiting()
+	s.settle.running.Wait()
+}
+
+// Journals lists the journals in the store and whether their writer still runs.
+func (s *Store) Journals() ([]TempFile, error) {
+	ents, err := os.ReadDir(s.journalDir())
+	if err != nil {
+		if errors.Is(err, fs.ErrNotExist) {
+			return nil, nil
+		}
+		return nil, fmt.Errorf("list journals: %w", err)
+	}
+	var out []TempFile
+	for _, e := range ents {
+		if e.IsDir() || !strings.HasPrefix(e.Name(), "jnl-") {
+			continue
+		}
+		t := TempFile{Path: filepath.Join(s.journalDir(), e.Name()), Alive: true}
+		if info, err := e.Info(); err == nil {
+			t.Size = info.Size()
+		}
+		if pid, start, ok := tempOwner("obj-" + strings.TrimPrefix(e.Name(), "jnl-")); ok {
+			t.PID, t.Alive = pid, ownerAlive(pid, start)
+		}
+		out = append(out, t)
+	}
+	return out, nil
+}
+
+// ReplayDeadJournals replays the journals whose writer no longer runs and returns how
+// many objects it wrote again.
+func (s *Store) ReplayDeadJournals() (int, error) {
+	lock, err := s.lock(unix.LOCK_SH)
+	if err != nil {
+		return 0, err
+	}
+	defer lock.Close()
+	return s.replayDeadJournals()
+}
+
+// replayDeadJournals is ReplayDeadJournals for a caller holding the GC lock shared
+// (a batch's Begin).
+func (s *Store) replayDeadJournals() (int, error) {
+	js, err := s.Journals()
+	if err != nil {
+		return 0, err
+	}
+	total := 0
+	for _, j := range js {
+		if j.Alive {
+			continue
+		}
+		n, err := s.replayJournal(j.Path)
+		total += n
+		if err != nil {
+			return total, err
+		}
+	}
+	return total, nil
+}
+
+var replayMu sync.Mutex
+
+// replayJournal restores what one journal holds (see above) and removes it; the
+// caller holds the GC lock shared.
+func (s *Store) replayJournal(path string) (int, error) {
+	replayMu.Lock()
+	defer replayMu.Unlock()
+	f, err := os.Open(path)
+	if err != nil {
+		if errors.Is(err, fs.ErrNotExist) {
+			return 0, nil // another process replayed it
+		}
+		return 0, fmt.Errorf("replay journal: %w", err)
+	}
+	defer f.Close()
+	r := bufio.NewReaderSize(f, 1<<20)
+	magic := make([]byte, len(journalMagic))
+	if _, err := io.ReadFull(r, magic); err != nil || string(magic) != journalMagic {
+		// Torn before its first entry, or not ours: nothing to restore.
+		return 0, s.dropJournal(path)
+	}
+	var (
+		rewritten int
+		synced    []string
+		dirs      = map[string]struct{}{}
+		hdr       [HashSize + 8]byte
+	)
+	for {
+		if _, err := io.ReadFull(r, hdr[:]); err != nil {
+			break // the end, or a torn tail
+		}
+		var h Hash
+		copy(h[:], hdr[:HashSize])
+		n := binary.BigEndian.Uint64(hdr[HashSize:])
+		if n > 1<<40 {
+			break
+		}
+		data := make([]byte, n)
+		if _, err := io.ReadFull(r, data); err != nil || Sum(data) != h {
+			break
+		}
+		final := s.Path(h)
+		if ok, _ := s.hashesTo(final, h); ok {
+			synced = append(synced, final)
+			dirs[filepath.Dir(final)] = struct{}{}
+			continue
+		}
+		if err := s.restoreObject(h, data); err != nil {
+			return rewritten, fmt.Errorf("replay journal %s: %w", path, err)
+		}
+		rewritten++
+		dirs[filepath.Dir(final)] = struct{}{}
+	}
+	if err := syncAll(synced); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return rewritten, fmt.Errorf("replay journal %s: %w", path, err)
+	}
+	ds := make([]string, 0, len(dirs))
+	for d := range dirs {
+		ds = append(ds, d)
+	}
+	if err := syncAll(ds); err != nil {
+		return rewritten, fmt.Errorf("replay journal %s: %w", path, err)
+	}
+	if rewritten > 0 {
+		log.L.WithField("journal", path).WithField("objects", rewritten).Warn("store: restored objects from a journal left by a writer that died")
+	}
+	return rewritten, s.dropJournal(path)
+}
+
+func (s *Store) dropJournal(path string) error {
+	if err := os.Remove(path); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return fmt.Errorf("remove replayed journal: %w", err)
+	}
+	return fsyncPath(s.journalDir())
+}
+
+// hashesTo reports whether the file at path holds exactly the bytes named h.
+func (s *Store) hashesTo(path string, h Hash) (bool, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return false, err
+	}
+	defer f.Close()
+	got, _, err := copyHashing(io.Discard, f)
+	return err == nil && got == h, err
+}
+
+// restoreObject writes data (known to hash to h) durably under its name.
+func (s *Store) restoreObject(h Hash, data []byte) error {
+	f, err := os.CreateTemp(s.tmp, tempPrefix()+"*")
+	if err != nil {
+		return err
+	}
+	tmp := f.Name()
+	_, err = f.Write(data)
+	if err == nil {
+		err = f.Sync()
+	}
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	if err == nil && s.objPerm != 0o600 {
+		err = os.Chmod(tmp, s.objPerm)
+	}
+	if err == nil {
+		err = s.adopt(tmp)
+	}
+	if err == nil {
+		err = s.ensureFanout(filepath.Dir(s.Path(h)))
+	}
+	if err == nil {
+		err = os.Rename(tmp, s.Path(h))
+	}
+	if err != nil {
+		os.Remove(tmp)
+		return fmt.Errorf("restore object %s: %w", h, err)
+	}
+	return nil
+}
