@@ -19,6 +19,7 @@ func newStore(t *testing.T) *Store {
 	if err != nil {
 		t.Fatal(err)
 	}
+	t.Cleanup(s.Settle) // journaled batches settle before the temp dir goes
 	return s
 }
 

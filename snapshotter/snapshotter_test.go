@@ -97,6 +97,7 @@ func (e *env) close(t testing.TB) {
 	if err := e.sn.Close(); err != nil {
 		t.Error(err)
 	}
+	e.store.Settle() // journaled branches settle before the temp dir goes
 	if err := e.views.Close(context.Background()); err != nil {
 		t.Error(err)
 	}

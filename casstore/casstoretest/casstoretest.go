@@ -20,6 +20,7 @@ func NewStore(t testing.TB) *casstore.Store {
 	if err != nil {
 		t.Fatal(err)
 	}
+	t.Cleanup(s.Settle) // journaled batches settle before the temp dir goes
 	return s
 }
 
