@@ -8,6 +8,7 @@ import (
 	"os"
 	"path/filepath"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/containerd/log"
@@ -363,6 +364,7 @@ func (b *Batch) Publish() (release func(), err error) {
 	if len(b.pending) == 0 && len(b.buffered) > 0 {
 		if journal, err := b.s.writeJournal(b.buffered); err == nil {
 			b.journal = journal
+			return b.publishLate(), nil
 		} else {
 			log.L.WithError(err).Warn("store: journal not written; syncing objects one by one")
 		}
@@ -461,6 +463,50 @@ func (b *Batch) publish() error {
 	// it (a read-only LunarFS store) fails nothing.
 	_ = b.s.sizes.add(published)
 	return nil
+}
+
+// publishLate publishes a journaled batch's objects in the background (see late.go)
+// and returns the caller's release: the GC lock is released once both the caller and
+// the background publication are done.
+func (b *Batch) publishLate() (release func()) {
+	now := b.touchReused()
+	hashes := make([]Hash, 0, len(b.buffered))
+	for h := range b.buffered {
+		hashes = append(hashes, h)
+	}
+	b.s.addLate(b.buffered)
+	var holders atomic.Int32
+	holders.Store(2)
+	lf := b.lock
+	done := func() {
+		if holders.Add(-1) == 0 {
+			lf.Close()
+		}
+	}
+	b.s.late.running.Add(1)
+	go func() {
+		defer b.s.late.running.Done()
+		defer done()
+		if publishLateHook != nil {
+			publishLateHook()
+		}
+		b.mu.Lock()
+		defer b.mu.Unlock()
+		err := b.flushLocked()
+		if err == nil {
+			err = b.publishJournaled(now)
+		}
+		if err != nil {
+			// The journal still holds the objects durably and the late objects keep
+			// them readable here; a later start replays the journal.
+			b.removePending()
+			log.L.WithError(err).WithField("journal", b.journal).Error("store: publishing a journaled batch failed; its objects stay in the journal")
+			return
+		}
+		b.s.dropLate(hashes)
+	}()
+	var once sync.Once
+	return func() { once.Do(done) }
 }
 
 // publishJournaled publishes the staged objects, which the batch's journal already

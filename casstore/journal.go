@@ -21,9 +21,9 @@ import (
 // makes its new objects durable with one fsync instead of one per object and one per
 // fan-out directory: before publishing, it writes every new object into one journal
 // file, STORE/.tidepool-tmp/journal/jnl-PID.START-RANDOM, and syncs that file and its
-// directory. Then the objects are published as usual (temp file, rename) without
-// syncing, the caller records what names them, and later, in the background (see
-// settler), one syncfs makes them durable in place, their sizes go to the size index
+// directory. Then the caller records what names them while the objects are published
+// in the background (temp file, rename) without syncing (late.go), and later (see
+// settler) one syncfs makes them durable in place, their sizes go to the size index
 // and the journal is removed.
 //
 // A journal whose writer no longer runs (its name says who, as for temp files) is
@@ -94,7 +94,7 @@ func (s *Store) writeJournal(objects map[Hash][]byte) (string, error) {
 // flush comes after the burst rather than inside it.
 const (
 	settleQuiet = 300 * time.Millisecond
-	settleMax   = 30 * time.Second
+	settleMax   = 3 * time.Second
 	// settleBacklog settles at once when this many journals wait.
 	settleBacklog = 256
 )
@@ -177,9 +177,10 @@ func (s *Store) settleWaiting() {
 	}
 }
 
-// Settle settles the journaled batches of this process now and waits until they are
-// (tests, and a clean shutdown).
+// Settle waits for this store's late publications (late.go), settles the journaled
+// batches of this process now and waits until they are (tests, and a clean shutdown).
 func (s *Store) Settle() {
+	s.WaitPublished()
 	s.settleWaiting()
 	s.settle.running.Wait()
 }
@@ -289,7 +290,7 @@ func (s *Store) replayJournal(path string) (int, error) {
 			dirs[filepath.Dir(final)] = struct{}{}
 			continue
 		}
-		if err := s.restoreObject(h, data); err != nil {
+		if err := s.restoreObject(h, data, true); err != nil {
 			return rewritten, fmt.Errorf("replay journal %s: %w", path, err)
 		}
 		rewritten++
@@ -329,15 +330,15 @@ func (s *Store) hashesTo(path string, h Hash) (bool, error) {
 	return err == nil && got == h, err
 }
 
-// restoreObject writes data (known to hash to h) durably under its name.
-func (s *Store) restoreObject(h Hash, data []byte) error {
+// restoreObject writes data (known to hash to h) under its name, durably if sync.
+func (s *Store) restoreObject(h Hash, data []byte, sync bool) error {
 	f, err := os.CreateTemp(s.tmp, tempPrefix()+"*")
 	if err != nil {
 		return err
 	}
 	tmp := f.Name()
 	_, err = f.Write(data)
-	if err == nil {
+	if err == nil && sync {
 		err = f.Sync()
 	}
 	if cerr := f.Close(); err == nil {

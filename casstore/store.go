@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/containerd/errdefs"
+	"github.com/containerd/log"
 	"golang.org/x/sync/singleflight"
 	"golang.org/x/sys/unix"
 	"lukechampine.com/blake3"
@@ -68,7 +69,8 @@ type Store struct {
 	uid, gid         int
 	chown            bool
 	sizes            *sizeIndex
-	settle           settler // journaled batches waiting to be made durable in place
+	settle           settler     // journaled batches waiting to be made durable in place
+	late             lateObjects // journaled objects not yet under their names
 }
 
 // Open opens (creating if needed) the store at root. root may be an existing LunarFS
@@ -128,6 +130,9 @@ func (s *Store) Path(h Hash) string {
 // Has reports whether the object exists locally.
 func (s *Store) Has(h Hash) (bool, error) {
 	_, err := os.Lstat(s.Path(h))
+	if s.materialized(h, err) {
+		err = nil
+	}
 	switch {
 	case err == nil:
 		return true, nil
@@ -141,10 +146,36 @@ func (s *Store) Has(h Hash) (bool, error) {
 // Size returns an object's length from its file's metadata, without reading it.
 func (s *Store) Size(h Hash) (int64, error) {
 	st, err := os.Stat(s.Path(h))
+	if s.materialized(h, err) {
+		st, err = os.Stat(s.Path(h))
+	}
 	if err != nil {
 		return 0, s.notFound(h, err)
 	}
 	return st.Size(), nil
+}
+
+// openObject opens an object's file, materializing it first if it is published
+// late (late.go).
+func (s *Store) openObject(h Hash) (*os.File, error) {
+	f, err := os.Open(s.Path(h))
+	if s.materialized(h, err) {
+		f, err = os.Open(s.Path(h))
+	}
+	return f, err
+}
+
+// materialized reports whether err says an object is missing and Materialize has
+// just put it in place, so the caller should look again.
+func (s *Store) materialized(h Hash, err error) bool {
+	if !errors.Is(err, fs.ErrNotExist) {
+		return false
+	}
+	ok, merr := s.Materialize(h)
+	if merr != nil {
+		log.L.WithError(merr).WithField("object", h.String()).Warn("store: a missing object could not be written from its journal")
+	}
+	return ok
 }
 
 func (s *Store) notFound(h Hash, err error) error {
@@ -158,7 +189,7 @@ func (s *Store) notFound(h Hash, err error) error {
 // to h. The check runs once per process for a given version of the file (same inode,
 // size and mtime); concurrent first opens share one check.
 func (s *Store) Open(h Hash) (*os.File, error) {
-	f, err := os.Open(s.Path(h))
+	f, err := s.openObject(h)
 	if err != nil {
 		return nil, s.notFound(h, err)
 	}
@@ -215,7 +246,7 @@ func hashReaderAt(f *os.File, size int64) (Hash, error) {
 
 // Verify re-hashes an object regardless of earlier checks (fsck).
 func (s *Store) Verify(h Hash) error {
-	f, err := os.Open(s.Path(h))
+	f, err := s.openObject(h)
 	if err != nil {
 		return s.notFound(h, err)
 	}
@@ -238,7 +269,7 @@ func (s *Store) Verify(h Hash) error {
 // ReadAll returns a whole object, verified. Use it for small objects (trees, symlink
 // targets); stream file content with Open instead.
 func (s *Store) ReadAll(h Hash, max int64) ([]byte, error) {
-	f, err := os.Open(s.Path(h))
+	f, err := s.openObject(h)
 	if err != nil {
 		return nil, s.notFound(h, err)
 	}

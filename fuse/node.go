@@ -624,6 +624,12 @@ func (v *View) fillAttr(out *gofuse.Attr, ino uint64, mode uint32, owned bool, s
 func (v *View) blobInfo(ctx context.Context, h casstore.Hash) (blobInfo, error) {
 	var st unix.Stat_t
 	err := unix.Stat(v.store.Path(h), &st)
+	if err == unix.ENOENT {
+		// Published late (a branch's object still in its journal)?
+		if ok, _ := v.store.Materialize(h); ok {
+			err = unix.Stat(v.store.Path(h), &st)
+		}
+	}
 	switch {
 	case err == nil:
 		return blobInfo{size: st.Size, blocks: uint64(st.Blocks), blksize: uint32(st.Blksize)}, nil

@@ -280,7 +280,12 @@ type objDirs struct {
 
 // newObjDirs reads the objects of store. It refreshes the store's size index, and
 // uses it only if that works (the index only saves time).
+//
+// Objects this process published late (casstore's late.go: a branch returns once its
+// journal is durable) are under their names first, since a scan reads object files
+// directly.
 func newObjDirs(store *casstore.Store) *objDirs {
+	store.WaitPublished()
 	return &objDirs{store: store, root: store.Root(), index: store.RefreshSizes() == nil}
 }
 

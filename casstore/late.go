@@ -1,0 +1,228 @@
+package casstore
+
+import (
+	"bufio"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+
+	"github.com/containerd/log"
+	"golang.org/x/sys/unix"
+)
+
+// A journaled batch (journal.go) is durable once its journal is synced, so it returns
+// to its caller then and writes its objects under their names in the background: a
+// container being branched gets its new forks without waiting for a hundred file
+// creations and renames, which under writeback pressure took tens of milliseconds.
+//
+// Until an object is under its name, a reader that misses it (Has, Size, Open,
+// ReadAll, Verify, and the views' direct readers through Materialize) looks for it
+// among this store's late objects, then in the store's journals (another process's
+// batch, or a dead writer's not yet replayed), and writes it under its name itself.
+// Objects are content-addressed, so whichever writer renames first wins and the other
+// rename replaces identical bytes. A garbage collection cannot run meanwhile: the
+// background publication holds the store's GC lock (shared) until it is done, and a
+// journal is removed only after its objects are durable in place.
+type lateObjects struct {
+	mu      sync.Mutex
+	objects map[Hash][]byte
+	running sync.WaitGroup
+
+	// The journals' index, read again when the journal directory changes.
+	jmu    sync.Mutex
+	jstamp unix.Timespec
+	jindex map[Hash]journalEntry
+}
+
+// publishLateHook, if set (tests), runs before a background publication writes
+// anything.
+var publishLateHook func()
+
+// journalEntry is where a journal holds an object's bytes.
+type journalEntry struct {
+	path string
+	off  int64
+	size int64
+}
+
+// addLate makes objects readable before they are under their names.
+func (s *Store) addLate(objects map[Hash][]byte) {
+	l := &s.late
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.objects == nil {
+		l.objects = map[Hash][]byte{}
+	}
+	for h, data := range objects {
+		l.objects[h] = data
+	}
+}
+
+// dropLate forgets objects that are now under their names.
+func (s *Store) dropLate(objects []Hash) {
+	l := &s.late
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for _, h := range objects {
+		delete(l.objects, h)
+	}
+}
+
+func (s *Store) lateObject(h Hash) ([]byte, bool) {
+	l := &s.late
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	data, ok := l.objects[h]
+	return data, ok
+}
+
+// WaitPublished waits until every object this store's batches published is under its
+// name.
+func (s *Store) WaitPublished() { s.late.running.Wait() }
+
+// Materialize makes sure a missing object whose batch returned before writing it
+// under its name (see above) is there: from this store's late objects or from a
+// journal. It reports whether the object is in place; false with a nil error means it
+// is in neither (a missing object).
+func (s *Store) Materialize(h Hash) (bool, error) {
+	if _, err := os.Lstat(s.Path(h)); err == nil {
+		return true, nil
+	}
+	if data, ok := s.lateObject(h); ok {
+		if err := s.placeObject(h, data); err != nil {
+			return false, err
+		}
+		return true, nil
+	}
+	data, ok, err := s.journaledObject(h)
+	if err != nil || !ok {
+		return false, err
+	}
+	if err := s.placeObject(h, data); err != nil {
+		return false, err
+	}
+	log.L.WithField("object", h.String()).Debug("store: object written from a journal by its reader")
+	return true, nil
+}
+
+// placeObject writes data, known to hash to h and durable in a journal, under its
+// name without syncing it.
+func (s *Store) placeObject(h Hash, data []byte) error {
+	return s.restoreObject(h, data, false)
+}
+
+// journaledObject looks for h in the store's journals.
+func (s *Store) journaledObject(h Hash) ([]byte, bool, error) {
+	for attempt := 0; attempt < 2; attempt++ {
+		e, ok, err := s.journalIndex(h)
+		if err != nil || !ok {
+			return nil, false, err
+		}
+		data, err := readJournalEntry(e, h)
+		if errors.Is(err, fs.ErrNotExist) {
+			// Settled and removed since the index was read: its objects are durable in
+			// place now, unless they were collected since.
+			if _, err := os.Lstat(s.Path(h)); err == nil {
+				return nil, false, nil
+			}
+			continue
+		}
+		if err != nil {
+			return nil, false, err
+		}
+		return data, true, nil
+	}
+	return nil, false, nil
+}
+
+// journalIndex finds h in the journals, reading their headers again if the journal
+// directory changed since they were last read.
+func (s *Store) journalIndex(h Hash) (journalEntry, bool, error) {
+	l := &s.late
+	l.jmu.Lock()
+	defer l.jmu.Unlock()
+	var st unix.Stat_t
+	if err := unix.Stat(s.journalDir(), &st); err != nil {
+		if errors.Is(err, unix.ENOENT) {
+			return journalEntry{}, false, nil
+		}
+		return journalEntry{}, false, fmt.Errorf("stat journal directory: %w", err)
+	}
+	if l.jindex == nil || st.Mtim != l.jstamp {
+		index := map[Hash]journalEntry{}
+		ents, err := os.ReadDir(s.journalDir())
+		if err != nil {
+			return journalEntry{}, false, fmt.Errorf("list journals: %w", err)
+		}
+		for _, e := range ents {
+			if e.IsDir() || !strings.HasPrefix(e.Name(), "jnl-") {
+				continue
+			}
+			p := filepath.Join(s.journalDir(), e.Name())
+			if err := indexJournal(p, index); err != nil && !errors.Is(err, fs.ErrNotExist) {
+				return journalEntry{}, false, err
+			}
+		}
+		l.jindex, l.jstamp = index, st.Mtim
+	}
+	e, ok := l.jindex[h]
+	return e, ok, nil
+}
+
+// indexJournal adds where the journal at p holds each of its objects; a torn tail
+// ends it, as in a replay.
+func indexJournal(p string, index map[Hash]journalEntry) error {
+	f, err := os.Open(p)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	r := bufio.NewReaderSize(f, 64<<10)
+	magic := make([]byte, len(journalMagic))
+	if _, err := io.ReadFull(r, magic); err != nil || string(magic) != journalMagic {
+		return nil
+	}
+	off := int64(len(journalMagic))
+	var hdr [HashSize + 8]byte
+	for {
+		if _, err := io.ReadFull(r, hdr[:]); err != nil {
+			return nil
+		}
+		var h Hash
+		copy(h[:], hdr[:HashSize])
+		n := binary.BigEndian.Uint64(hdr[HashSize:])
+		if n > 1<<40 {
+			return nil
+		}
+		off += int64(len(hdr))
+		if d, err := r.Discard(int(n)); err != nil || d != int(n) {
+			return nil
+		}
+		index[h] = journalEntry{path: p, off: off, size: int64(n)}
+		off += int64(n)
+	}
+}
+
+// readJournalEntry reads an object's bytes from a journal and checks them against
+// its name.
+func readJournalEntry(e journalEntry, h Hash) ([]byte, error) {
+	f, err := os.Open(e.path)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	data := make([]byte, e.size)
+	if _, err := f.ReadAt(data, e.off); err != nil {
+		return nil, fmt.Errorf("read object %s from journal %s: %w", h, e.path, err)
+	}
+	if got := Sum(data); got != h {
+		return nil, &CorruptError{Hash: h, Got: got, Path: e.path}
+	}
+	return data, nil
+}
