@@ -14,6 +14,7 @@ import (
 
 	"github.com/tidepool-dev/tidepool/binding"
 	"github.com/tidepool-dev/tidepool/casstore"
+	"github.com/tidepool-dev/tidepool/casstore/forks"
 )
 
 // BindRequest asks for a fork to be placed in an existing active snapshot. Fork,
@@ -65,7 +66,15 @@ func (s *Snapshotter) Bind(ctx context.Context, req BindRequest) (BindResult, er
 	}
 
 	s.locks.Lock(key)
-	defer s.locks.Unlock(key)
+	unlock := func() { s.locks.Unlock(key) }
+	defer func() {
+		if unlock != nil {
+			unlock()
+		}
+	}()
+	if err := s.recordPending(ctx, key); err != nil {
+		return BindResult{}, fmt.Errorf("bind %s: %w", key, err)
+	}
 	sn, info, err := s.get(ctx, key)
 	if err != nil {
 		return BindResult{}, fmt.Errorf("bind %s: %w", key, err)
@@ -90,7 +99,7 @@ func (s *Snapshotter) Bind(ctx context.Context, req BindRequest) (BindResult, er
 		if req.Workdir != "" && want.Workdir != have.spec.Workdir {
 			return BindResult{}, fmt.Errorf("bind %s: workdir %s differs from %s, where the snapshot's view was prepared: %w", key, want.Workdir, have.spec.Workdir, errdefs.ErrConflict)
 		}
-		return s.bindLate(ctx, key, sn, have, want)
+		return s.bindLate(ctx, key, sn, have, want, &unlock)
 	default:
 		return s.bindFresh(ctx, key, sn, want)
 	}
@@ -147,7 +156,10 @@ func (s *Snapshotter) bindFresh(ctx context.Context, key string, sn storage.Snap
 	return BindResult{Key: key, ForkID: forkID, Root: root, Mounts: s.forkMounts(sn)}, nil
 }
 
-func (s *Snapshotter) bindLate(ctx context.Context, key string, sn storage.Snapshot, have bound, want binding.Spec) (_ BindResult, retErr error) {
+// bindLate binds a fork to a snapshot prepared late-bound. Once the view is bound
+// it takes over the release of key's lock (*unlock), which it hands to the write of
+// the binding's labels behind the claim (record.go).
+func (s *Snapshotter) bindLate(ctx context.Context, key string, sn storage.Snapshot, have bound, want binding.Spec, unlock *func()) (_ BindResult, retErr error) {
 	forkID, root, isNew, err := s.resolveFork(ctx, want.Fork, key)
 	if err != nil {
 		return BindResult{}, fmt.Errorf("bind %s: fork %q: %w", key, want.Fork, err)
@@ -157,24 +169,35 @@ func (s *Snapshotter) bindLate(ctx context.Context, key string, sn storage.Snaps
 			_ = s.forks.Remove(context.WithoutCancel(ctx), forkID)
 		}
 	}()
-	if err := s.forks.Pin(pinName(key), root); err != nil {
+	// The root's pin is written behind the claim too (record.go); until it is
+	// durable, the store's GC lock stays held, so no collection runs without it.
+	hold, err := s.store.Hold()
+	if err != nil {
 		return BindResult{}, fmt.Errorf("bind %s: pin root: %w", key, err)
+	}
+	if ok, err := s.store.Has(root); err != nil || !ok {
+		hold()
+		if err == nil {
+			err = forks.ErrRootGone
+		}
+		return BindResult{}, fmt.Errorf("bind %s: pin root %s: %w", key, root, err)
 	}
 	dir := s.viewDir(sn.ID)
 	if err := s.ensureView(ctx, sn.ID, have); err != nil {
+		hold()
 		return BindResult{}, fmt.Errorf("bind %s: %w", key, err)
 	}
 	if err := s.views.Bind(ctx, dir, root); err != nil {
-		_ = s.forks.Unpin(pinName(key))
+		hold()
 		return BindResult{}, fmt.Errorf("bind %s: %w", key, err)
 	}
 	labels := map[string]string{labelForkID: forkID, labelBase: root.String()}
 	if want.Discard {
 		labels[binding.LabelDiscard] = "true"
 	}
-	if err := s.setLabels(ctx, key, labels); err != nil {
-		return BindResult{}, fmt.Errorf("bind %s: %w", key, err)
-	}
+	release := *unlock
+	*unlock = nil
+	s.recordBehind(ctx, key, bindRecord{pin: root, labels: labels}, func() { hold(); release() })
 	s.metrics.binds.WithLabelValues("late").Inc()
 	return BindResult{Key: key, ForkID: forkID, Root: root, Mounts: s.forkMounts(sn)}, nil
 }
@@ -185,8 +208,12 @@ func (s *Snapshotter) setLabels(ctx context.Context, key string, labels map[stri
 	for k := range labels {
 		paths = append(paths, "labels."+k)
 	}
-	_, err := s.overlay.Update(ctx, info, paths...)
-	return err
+	// What the overlay snapshotter's Update does, in a transaction shared with
+	// concurrent binds.
+	return s.labelWrites.Do(func(ctx context.Context) error {
+		_, err := storage.UpdateInfo(ctx, info, paths...)
+		return err
+	})
 }
 
 // KeyFromMounts recognises one of this snapshotter's active snapshots from the mounts

@@ -104,6 +104,9 @@ func (s *Snapshotter) Branch(ctx context.Context, req BranchRequest) (_ BranchRe
 	}
 	s.locks.Lock(key)
 	defer s.locks.Unlock(key)
+	if err := s.recordPending(ctx, key); err != nil {
+		return BranchResult{}, fmt.Errorf("branch %s: %w", key, err)
+	}
 	sn, info, err := s.get(ctx, key)
 	if err != nil {
 		return BranchResult{}, fmt.Errorf("branch %s: %w", key, err)

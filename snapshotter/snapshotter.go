@@ -23,6 +23,7 @@ import (
 	"github.com/tidepool-dev/tidepool/casstore"
 	"github.com/tidepool-dev/tidepool/casstore/forks"
 	"github.com/tidepool-dev/tidepool/casstore/ingest"
+	"github.com/tidepool-dev/tidepool/internal/groupcommit"
 )
 
 // Labels the snapshotter keeps on a fork-bearing snapshot next to the request's own:
@@ -72,6 +73,10 @@ type Snapshotter struct {
 	locks    *locker.Locker
 	metrics  *Metrics
 	remote   Remote
+	// labelWrites commits concurrent label updates (a burst of claims binding their
+	// forks) in shared metadata transactions: see groupcommit.
+	labelWrites *groupcommit.Group[context.Context]
+	records     bindRecords // binds recorded behind their claims (record.go)
 }
 
 var _ snapshots.Snapshotter = (*Snapshotter)(nil)
@@ -107,6 +112,9 @@ func New(ctx context.Context, cfg Config, store *casstore.Store, fk ForkStore, v
 		defaults: cfg.Defaults, options: options, locks: locker.New(), metrics: newMetrics(),
 		remote: cfg.Remote,
 	}
+	s.labelWrites = &groupcommit.Group[context.Context]{Commit: func(apply func(context.Context) error) error {
+		return ms.WithTransaction(context.WithoutCancel(ctx), true, apply)
+	}}
 	s.detachStaleViews(ctx)
 	// Views (kernel ones outlive the process) of snapshots removed while no
 	// snapshotter ran have no owner now.
@@ -420,6 +428,9 @@ func (s *Snapshotter) Commit(ctx context.Context, name, key string, opts ...snap
 func (s *Snapshotter) Remove(ctx context.Context, key string) error {
 	s.locks.Lock(key)
 	defer s.locks.Unlock(key)
+	if err := s.recordPending(ctx, key); err != nil {
+		return fmt.Errorf("remove %s: %w", key, err)
+	}
 	sn, info, err := s.get(ctx, key)
 	if err != nil {
 		return s.overlay.Remove(ctx, key)
@@ -520,6 +531,9 @@ func (s *Snapshotter) advanceFork(ctx context.Context, key string, b bound, root
 func (s *Snapshotter) CommitNow(ctx context.Context, key string) (string, casstore.Hash, error) {
 	s.locks.Lock(key)
 	defer s.locks.Unlock(key)
+	if err := s.recordPending(ctx, key); err != nil {
+		return "", casstore.Hash{}, fmt.Errorf("commit %s: %w", key, err)
+	}
 	sn, info, err := s.get(ctx, key)
 	if err != nil {
 		return "", casstore.Hash{}, fmt.Errorf("commit %s: %w", key, err)
@@ -597,4 +611,7 @@ func (s *Snapshotter) detachStaleViews(ctx context.Context) {
 }
 
 // Close closes the metadata store. Views stay with their host, which the owner closes.
-func (s *Snapshotter) Close() error { return s.overlay.Close() }
+func (s *Snapshotter) Close() error {
+	s.records.running.Wait()
+	return s.overlay.Close()
+}

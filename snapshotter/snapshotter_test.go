@@ -427,6 +427,42 @@ func TestLateBind(t *testing.T) {
 	}
 }
 
+// TestLateBindRecordFails: a late bind's labels are written behind the claim; when
+// that write fails, the snapshot's next operation (here its removal) writes them
+// before it reads the binding, so the container's changes still reach the fork.
+func TestLateBindRecordFails(t *testing.T) {
+	requireRoot(t)
+	ctx := context.Background()
+	e := newEnv(t, t.TempDir())
+	e.imageLayer(t, "layer1", imageFiles)
+	root := ingestFiles(t, e.store, sourceFiles)
+	mounts, err := e.sn.Prepare(ctx, "member", "layer1", labels(binding.LabelLateBind, "true", binding.LabelWorkdir, "/app"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir := t.TempDir()
+	if err := mount.All(mounts, dir); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { mount.UnmountAll(dir, 0) })
+	snapshotter.FailLabelWrites(e.sn, 1)
+	res, err := e.sn.Bind(ctx, snapshotter.BindRequest{Key: "member", Fork: root.String()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	writeFiles(t, dir, map[string]string{"app/src/main.js": "changed\n"})
+	if err := mount.UnmountAll(dir, 0); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.sn.Remove(ctx, "member"); err != nil {
+		t.Fatal(err)
+	}
+	f := forkOf(t, e.db, res.ForkID)
+	if got := changes(t, e.store, root, f.Root); len(got) != 1 || got[0] != "M src/main.js" {
+		t.Fatalf("changes after a failed bind record: %v", got)
+	}
+}
+
 func TestDiscardAndRestart(t *testing.T) {
 	requireRoot(t)
 	ctx := context.Background()

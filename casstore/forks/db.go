@@ -15,6 +15,7 @@ import (
 	boltErrors "go.etcd.io/bbolt/errors"
 
 	"github.com/tidepool-dev/tidepool/casstore"
+	"github.com/tidepool-dev/tidepool/internal/groupcommit"
 )
 
 var (
@@ -33,6 +34,9 @@ type DB struct {
 	db    *bolt.DB
 	now   func() time.Time
 	guard Guard
+	// pins commits concurrent pins and unpins together (a burst of claims pins one
+	// root each): see groupcommit.
+	pins *groupcommit.Group[*bolt.Tx]
 }
 
 // Guard keeps garbage collection from sweeping while a record that names a root is
@@ -102,7 +106,9 @@ func OpenDB(path string, timeout time.Duration) (*DB, error) {
 		db.Close()
 		return nil, fmt.Errorf("init fork database %s: %w", path, err)
 	}
-	return &DB{db: db, now: time.Now}, nil
+	return &DB{db: db, now: time.Now, pins: &groupcommit.Group[*bolt.Tx]{Commit: func(apply func(*bolt.Tx) error) error {
+		return db.Update(apply)
+	}}}, nil
 }
 
 // Close releases the database.
@@ -387,7 +393,7 @@ func (d *DB) Pin(name string, root casstore.Hash) error {
 		return fmt.Errorf("pin needs a name: %w", errdefs.ErrInvalidArgument)
 	}
 	return d.guarded(root, func() error {
-		return d.db.Update(func(tx *bolt.Tx) error {
+		return d.pins.Do(func(tx *bolt.Tx) error {
 			return tx.Bucket(bucketPins).Put([]byte(name), root[:])
 		})
 	})
@@ -395,7 +401,7 @@ func (d *DB) Pin(name string, root casstore.Hash) error {
 
 // Unpin drops a pin; unknown names are not an error.
 func (d *DB) Unpin(name string) error {
-	return d.db.Update(func(tx *bolt.Tx) error { return tx.Bucket(bucketPins).Delete([]byte(name)) })
+	return d.pins.Do(func(tx *bolt.Tx) error { return tx.Bucket(bucketPins).Delete([]byte(name)) })
 }
 
 // Pins lists pins by name.
