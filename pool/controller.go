@@ -211,13 +211,35 @@ func (c *Controller) connect(ctx context.Context) error {
 	}
 }
 
+// teardownGrace bounds how long Stop waits for used members being destroyed. Their
+// calls to containerd outlive the requests that used them and wait for containerd
+// if it is gone (as when the host stops it first); Stop then closes the connection,
+// which ends them, and the next start destroys what is left of those members.
+const teardownGrace = 3 * time.Second
+
 // Stop stops refilling. Idle members stay, frozen, for the next start to adopt.
 func (c *Controller) Stop() {
 	if c.cancel != nil {
 		c.cancel()
 	}
 	c.wg.Wait()
-	c.teardowns.Wait()
+	torn := make(chan struct{})
+	go func() {
+		c.teardowns.Wait()
+		close(torn)
+	}()
+	select {
+	case <-torn:
+	case <-time.After(teardownGrace):
+		log.L.Warn("pools: used members still being destroyed at shutdown; closing the containerd connection, the next start destroys them")
+		c.mu.Lock()
+		if c.client != nil {
+			c.client.Close()
+			c.client = nil
+		}
+		c.mu.Unlock()
+		<-torn
+	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if c.client != nil {

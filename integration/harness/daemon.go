@@ -154,8 +154,8 @@ func (d *Daemon) waitReady(ctx context.Context, done <-chan struct{}) error {
 	}
 }
 
-// Stop sends SIGTERM and waits for the process to exit, sending SIGKILL after
-// StopTimeout (and then reporting that it had to). Stopping a daemon that is
+// Stop sends SIGTERM and waits for the process to exit, sending SIGQUIT (then
+// SIGKILL) after StopTimeout and reporting that it had to. Stopping a daemon that is
 // not running does nothing.
 func (d *Daemon) Stop() error {
 	cmd, done := d.current()
@@ -168,9 +168,15 @@ func (d *Daemon) Stop() error {
 		return nil
 	case <-time.After(d.spec.StopTimeout):
 	}
-	_ = cmd.Process.Kill()
-	<-done
-	return fmt.Errorf("stop %s: still running %v after SIGTERM, killed", d.spec.Name, d.spec.StopTimeout)
+	// A Go daemon dumps its goroutines to its log on SIGQUIT: what it was stuck on.
+	_ = cmd.Process.Signal(syscall.SIGQUIT)
+	select {
+	case <-done:
+	case <-time.After(2 * time.Second):
+		_ = cmd.Process.Kill()
+		<-done
+	}
+	return fmt.Errorf("stop %s: still running %v after SIGTERM, killed with SIGQUIT (goroutines in %s)", d.spec.Name, d.spec.StopTimeout, d.spec.LogPath)
 }
 
 // Kill sends SIGKILL (a crash, as far as the daemon's clients can tell) and

@@ -138,7 +138,7 @@ func Start(t testing.TB, opts Options) *Stack {
 			t.Logf("last lines of tidepoold:\n%s", daemon.LogTail(60))
 		}
 		if err := daemon.Stop(); err != nil {
-			t.Errorf("stop tidepoold: %v\n%s", err, daemon.LogTail(30))
+			t.Errorf("stop tidepoold: %v\n%s", err, daemon.LogTail(2000))
 		}
 		daemon.Close()
 	})
