@@ -77,7 +77,16 @@ func TestRefillWaitsForClaims(t *testing.T) {
 					time.Sleep(time.Millisecond)
 				}
 			}
-			go p.maintain(ctx)
+			maintained := make(chan struct{})
+			go func() {
+				defer close(maintained)
+				p.maintain(ctx)
+			}()
+			// The refill loop goes before the test's directories do.
+			defer func() {
+				cancel()
+				<-maintained
+			}()
 			wg.Wait()
 			deadline := time.Now().Add(5 * time.Second)
 			for {
