@@ -99,6 +99,8 @@ func (p *Pool) updateGauges() {
 func (p *Pool) maintain(ctx context.Context) {
 	tick := time.NewTicker(time.Second)
 	defer tick.Stop()
+	var fills sync.WaitGroup
+	defer fills.Wait() // members being started: Stop stops them too
 	for {
 		p.recycle(ctx)
 		for p.needMember() {
@@ -119,7 +121,11 @@ func (p *Pool) maintain(ctx context.Context) {
 			p.starting++
 			p.lastFill = time.Now()
 			p.mu.Unlock()
-			go p.fill(ctx)
+			fills.Add(1)
+			go func() {
+				defer fills.Done()
+				p.fill(ctx)
+			}()
 		}
 		p.updateGauges()
 		select {
