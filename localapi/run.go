@@ -24,6 +24,9 @@ type RunStreams struct {
 	// Steps, if set, receives the daemon's timed stages of the run (from the call's
 	// trailer), once the run has ended.
 	Steps func([]Step)
+	// Started, if set, is called with the member's id when the daemon says the
+	// workload runs.
+	Started func(member string)
 }
 
 // RunStepsTrailer is the gRPC trailer key carrying a run's timed stages, as
@@ -141,6 +144,10 @@ func (c *Client) Run(ctx context.Context, start *apiv1.RunStart, s RunStreams) (
 			s.Stdout.Write(m.Stdout)
 		case *apiv1.RunResponse_Stderr:
 			s.Stderr.Write(m.Stderr)
+		case *apiv1.RunResponse_Started:
+			if s.Started != nil {
+				s.Started(m.Started)
+			}
 		case *apiv1.RunResponse_Exit:
 			if s.Steps != nil {
 				// The trailer comes with the end of the stream, right after the exit.

@@ -2,10 +2,12 @@ package e2e
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -28,7 +30,9 @@ type burstClaim struct {
 	stderr  string
 	err     error
 	claim   time.Duration // the daemon's claim latency: request to workload started
+	start   time.Duration // the caller's: burst released to "started" received
 	elapsed time.Duration // the caller's: request to exit, commit included
+	steps   []localapi.Step
 }
 
 // makeForks makes n forks of root, one per claim.
@@ -69,7 +73,8 @@ func burst(t testing.TB, s *stack.Stack, poolName string, forkIDs []string) []bu
 			t0 := time.Now()
 			c.exit, c.err = clients[i].Run(context.Background(), &apiv1.RunStart{
 				Pool: poolName, Fork: c.fork, Args: []string{"sh", "-c", fmt.Sprintf("echo %d > burst-%d.txt && cat README.md", i, i)},
-			}, localapi.RunStreams{Stdout: &out, Stderr: &errOut})
+			}, localapi.RunStreams{Stdout: &out, Stderr: &errOut, Steps: func(st []localapi.Step) { c.steps = st },
+				Started: func(string) { c.start = time.Since(t0) }})
 			c.elapsed = time.Since(t0)
 			c.stdout, c.stderr = out.String(), errOut.String()
 			if c.exit != nil {
@@ -105,12 +110,13 @@ func checkBurst(t testing.TB, s *stack.Stack, root string, claims []burstClaim) 
 	}
 }
 
-func claimLatencies(claims []burstClaim) (claim, elapsed []time.Duration) {
+func claimLatencies(claims []burstClaim) (claim, start, elapsed []time.Duration) {
 	for _, c := range claims {
 		claim = append(claim, c.claim)
+		start = append(start, c.start)
 		elapsed = append(elapsed, c.elapsed)
 	}
-	return claim, elapsed
+	return claim, start, elapsed
 }
 
 // drainPools replaces tidepoold (killed, as a crash or an upgrade would) by one whose
@@ -183,9 +189,10 @@ func TestPoolBurst(t *testing.T) {
 
 	claims := burst(t, s, "node", forkIDs)
 	checkBurst(t, s, root, claims)
-	claim, elapsed := claimLatencies(claims)
-	t.Logf("%d concurrent claims: claim p50 %v p99 %v; end to end p50 %v p99 %v", burstSize,
-		percentile(claim, 0.5), percentile(claim, 0.99), percentile(elapsed, 0.5), percentile(elapsed, 0.99))
+	claim, start, elapsed := claimLatencies(claims)
+	t.Logf("%d concurrent claims: claim p50 %v p99 %v; started p50 %v p99 %v; end to end p50 %v p99 %v", burstSize,
+		percentile(claim, 0.5), percentile(claim, 0.99), percentile(start, 0.5), percentile(start, 0.99),
+		percentile(elapsed, 0.5), percentile(elapsed, 0.99))
 	if n := s.Metric(t, "tidepool_pool_claim_seconds_count", `pool="node"`); n != burstSize {
 		t.Fatalf("%v warm claims recorded, want %d", n, burstSize)
 	}
@@ -204,13 +211,16 @@ func TestPoolBurst(t *testing.T) {
 }
 
 // BenchmarkPoolBurst: 50 concurrent claims, each with its own fork, against a pool of
-// target 50 (the pool refilled between bursts): the daemon's claim latency (request
-// to workload started) p50, p99 and their ratio, goal p99 <= 2x p50, and the callers'
-// end to end (request to exit, commit included) likewise.
+// target 50 (the pool refilled between bursts). Three latencies, p50, p99 and their
+// ratio: started, the callers' time from the burst's release to the daemon's word
+// that their workload runs (what a burst's caller waits for; goal p99 <= 2x p50);
+// claim, the daemon's own time from taking the request to the workload's start (no
+// queueing: sub-millisecond, so its ratio shows scheduling noise on this 2-core VM);
+// and end to end, to the exit with the commit. The slowest claim's steps are logged.
 func BenchmarkPoolBurst(b *testing.B) {
 	s := poolStack(b, burstSize, "")
 	root := s.Ingest(b, writeTree(b, appSource))
-	var claim, elapsed []time.Duration
+	var claim, start, elapsed []time.Duration
 	b.ResetTimer()
 	for i := 0; i < min(b.N, 2); i++ {
 		b.StopTimer()
@@ -220,19 +230,22 @@ func BenchmarkPoolBurst(b *testing.B) {
 		claims := burst(b, s, "node", forkIDs)
 		b.StopTimer()
 		checkBurst(b, s, root, claims)
-		c, e := claimLatencies(claims)
-		claim, elapsed = append(claim, c...), append(elapsed, e...)
+		c, st, e := claimLatencies(claims)
+		claim, start, elapsed = append(claim, c...), append(start, st...), append(elapsed, e...)
+		slow := slices.MaxFunc(claims, func(x, y burstClaim) int { return cmp.Compare(x.elapsed, y.elapsed) })
+		b.Logf("slowest end to end %v (member %s): %s", slow.elapsed, slow.exit.GetMember(), localapi.FormatSteps(slow.steps))
 		b.StartTimer()
 	}
 	b.StopTimer()
 	ms := func(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
-	cp50, cp99, ep50, ep99 := percentile(claim, 0.5), percentile(claim, 0.99), percentile(elapsed, 0.5), percentile(elapsed, 0.99)
-	b.ReportMetric(ms(cp50), "claim-p50-ms")
-	b.ReportMetric(ms(cp99), "claim-p99-ms")
-	b.ReportMetric(float64(cp99)/float64(cp50), "claim-p99/p50")
-	b.ReportMetric(ms(ep50), "e2e-p50-ms")
-	b.ReportMetric(ms(ep99), "e2e-p99-ms")
-	b.ReportMetric(float64(ep99)/float64(ep50), "e2e-p99/p50")
-	b.Logf("%d claims in bursts of %d: claim p50 %v p99 %v (%.2fx); end to end p50 %v p99 %v (%.2fx)", len(claim), burstSize,
-		cp50, cp99, float64(cp99)/float64(cp50), ep50, ep99, float64(ep99)/float64(ep50))
+	for _, m := range []struct {
+		name string
+		d    []time.Duration
+	}{{"started", start}, {"claim", claim}, {"e2e", elapsed}} {
+		p50, p99 := percentile(m.d, 0.5), percentile(m.d, 0.99)
+		b.ReportMetric(ms(p50), m.name+"-p50-ms")
+		b.ReportMetric(ms(p99), m.name+"-p99-ms")
+		b.ReportMetric(float64(p99)/float64(p50), m.name+"-p99/p50")
+		b.Logf("%d claims in bursts of %d: %s p50 %v p99 %v (%.2fx)", len(m.d), burstSize, m.name, p50, p99, float64(p99)/float64(p50))
+	}
 }
