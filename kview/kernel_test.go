@@ -349,4 +349,14 @@ func TestMountImageDirect(t *testing.T) {
 	if fi, err := os.Stat(filepath.Join(upper, "app/README.md")); err != nil || fi.Size() != int64(len("hello\n")) {
 		t.Fatalf("upper after chmod: %v, %v", fi, err)
 	}
+	// A missing object fails the open of that file only, with ENOENT.
+	if err := os.Remove(s.Path(casstore.Sum([]byte("package b\n")))); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.ReadFile(filepath.Join(merged, "app/src2/a/b/deep.go")); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("read of a file whose object is gone: %v, want ENOENT", err)
+	}
+	if b, err := os.ReadFile(filepath.Join(merged, "app/src2/same.go")); err != nil || string(b) != "package main\n" {
+		t.Fatalf("another file: %q, %v", b, err)
+	}
 }

@@ -97,34 +97,49 @@ func (b *builder) baseAt(path, what string, comps []string) (casstore.Entry, boo
 // its parent, whose lower is parent) from its overlay xattrs. It reads no tree: the
 // walk reads a directory's base tree when it gets there.
 func (b *builder) dirLower(path, name string, parent lowerRef, a ovlAttrs) (lowerRef, error) {
-	if a.opaque {
-		return lowerRef{}, nil
-	}
-	var comps []string
-	switch {
-	case a.redirect:
-		r, err := parseRedirect(path, a.target)
-		if err != nil {
-			return lowerRef{}, err
-		}
-		if r.abs {
-			comps = r.comps
-			break
-		}
-		if !parent.ok {
-			return lowerRef{}, nil
-		}
-		comps = append(slices.Clip(parent.path), r.comps[0])
-	case !parent.ok:
-		return lowerRef{}, nil
-	default:
-		comps = append(slices.Clip(parent.path), name)
-	}
-	e, ok, err := b.baseAt(path, "is a renamed directory whose content is", comps)
+	l, err := lowerPath(path, name, parent, a)
 	if err != nil {
 		return lowerRef{}, err
 	}
-	return lowerRef{ok: true, path: comps, hasTree: ok && e.Mode.IsDir(), tree: e.Hash}, nil
+	return b.resolve(path, l)
+}
+
+// lowerPath follows the kernel's rules for where an upper directory's lower directory
+// lies, as a layer path only (no base tree looked up): the directories on the way to
+// the prefix lie outside the base tree.
+func lowerPath(path, name string, parent lowerRef, a ovlAttrs) (lowerRef, error) {
+	switch {
+	case a.opaque:
+		return lowerRef{}, nil
+	case a.redirect:
+		r, err := parseRedirect(path, a.target)
+		switch {
+		case err != nil:
+			return lowerRef{}, err
+		case r.abs:
+			return lowerRef{ok: true, path: r.comps}, nil
+		case !parent.ok:
+			return lowerRef{}, nil
+		}
+		name = r.comps[0]
+	case !parent.ok:
+		return lowerRef{}, nil
+	}
+	return lowerRef{ok: true, path: append(slices.Clip(parent.path), name)}, nil
+}
+
+// resolve finds the base directory at l's path: l unchanged if it has no lower
+// directory, an error if its path lies outside the base tree.
+func (b *builder) resolve(path string, l lowerRef) (lowerRef, error) {
+	if !l.ok {
+		return l, nil
+	}
+	e, ok, err := b.baseAt(path, "is a renamed directory whose content is", l.path)
+	if err != nil {
+		return lowerRef{}, err
+	}
+	l.hasTree, l.tree = ok && e.Mode.IsDir(), e.Hash
+	return l, nil
 }
 
 // lowerFile finds the data of a metadata-only copy-up whose origin (at layer path

@@ -63,7 +63,7 @@ func UpperStats(ctx context.Context, store *casstore.Store, base casstore.Hash, 
 	}
 	h, st, err := build(ctx, store, opts, func(b *builder) (*dirNode, error) {
 		b.base, b.prefix = base, prefix
-		return b.upperPrefix(ctx, base, root, prefix)
+		return b.upperPrefix(ctx, root, prefix)
 	})
 	if err != nil {
 		return casstore.Hash{}, Stats{}, fmt.Errorf("commit %s over %s: %w", upperDir, base.Short(), err)
@@ -74,7 +74,7 @@ func UpperStats(ctx context.Context, store *casstore.Store, base casstore.Hash, 
 // upperPrefix finds what became of the prefix directory in the upper and merges it.
 // The lower directory of each directory on the way follows overlayfs's lookup
 // (redirect.go); the prefix directory's must lie in the base tree.
-func (b *builder) upperPrefix(ctx context.Context, base casstore.Hash, root, prefix string) (*dirNode, error) {
+func (b *builder) upperPrefix(ctx context.Context, root, prefix string) (*dirNode, error) {
 	path := root
 	// The kernel never treats the upper's root as opaque or redirected, so its xattrs
 	// are not read: its lower is the layer root.
@@ -111,7 +111,7 @@ func (b *builder) upperPrefix(ctx context.Context, base casstore.Hash, root, pre
 			if err != nil {
 				return nil, err
 			}
-			if lower, err = ancestorLower(path, comp, lower, a); err != nil {
+			if lower, err = lowerPath(path, comp, lower, a); err != nil {
 				return nil, err
 			}
 		}
@@ -121,43 +121,6 @@ func (b *builder) upperPrefix(ctx context.Context, base casstore.Hash, root, pre
 		return nil, err
 	}
 	return b.mergeDir(path, lower)
-}
-
-// ancestorLower is dirLower for the directories on the way to the prefix, which lie
-// outside the base tree: only the path is followed.
-func ancestorLower(path, name string, parent lowerRef, a ovlAttrs) (lowerRef, error) {
-	switch {
-	case a.opaque:
-		return lowerRef{}, nil
-	case a.redirect:
-		r, err := parseRedirect(path, a.target)
-		switch {
-		case err != nil:
-			return lowerRef{}, err
-		case r.abs:
-			return lowerRef{ok: true, path: r.comps}, nil
-		case !parent.ok:
-			return lowerRef{}, nil
-		}
-		name = r.comps[0]
-	case !parent.ok:
-		return lowerRef{}, nil
-	}
-	return lowerRef{ok: true, path: append(slices.Clip(parent.path), name)}, nil
-}
-
-// resolve finds the base directory at l's path (the prefix directory's lower
-// directory): l unchanged if it has none, an error if it lies outside the base tree.
-func (b *builder) resolve(path string, l lowerRef) (lowerRef, error) {
-	if !l.ok {
-		return l, nil
-	}
-	e, ok, err := b.baseAt(path, "is a renamed directory whose content is", l.path)
-	if err != nil {
-		return lowerRef{}, err
-	}
-	l.hasTree, l.tree = ok && e.Mode.IsDir(), e.Hash
-	return l, nil
 }
 
 // lowerTree reads the base tree of a lower directory (nil if the base has none there).
