@@ -185,7 +185,7 @@ func (c *Cache) writeFile(name string, fill func(*os.File) error) error {
 
 // mountedKeys returns the image keys of every kernel view mounted on the host.
 func mountedKeys() (map[string]bool, error) {
-	ms, err := mountinfo.GetMounts(mountinfo.FSTypeFilter("overlay"))
+	ms, err := mountinfo.GetMounts(mountinfo.FSTypeFilter("overlay", "erofs"))
 	if err != nil {
 		return nil, fmt.Errorf("read mount table: %w", err)
 	}

@@ -8,6 +8,11 @@
 // objects: no process in the read path, so reads run at native speed and the view
 // keeps working while tidepoold restarts.
 //
+// MountImage mounts an image alone instead, for an overlay that layers it directly (the
+// container's own overlay, with the object directory as its data-only layer): one
+// overlay fewer in every lookup and read. Such a mount is found in the mount table by
+// its source, the image's path (KEY.erofs).
+//
 // Images are cached under a directory keyed by (root, prefix, owner), built once per
 // key (single-flight) and removed by Collect when no mounted view uses them. A build
 // is on a container's create path, so it is kept cheap: tree objects are read by

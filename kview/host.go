@@ -51,6 +51,23 @@ func (h *Host) Cache() *Cache { return h.cache }
 // objects are not all local (and no Hydrator brings them), it fails with a
 // *MissingError, which matches errdefs.ErrNotFound, and mounts nothing.
 func (h *Host) Mount(ctx context.Context, dir string, spec Spec) error {
+	return h.mount(ctx, dir, spec, false)
+}
+
+// MountImage mounts spec's image alone at dir (EROFS, straight from its file), for an
+// overlay that layers it directly: as a lower layer with DataDir as its data-only
+// layer, mounted with metacopy=on and without userxattr (the image's xattrs are
+// trusted.overlay.*). Like a view it needs no process and stays mounted until
+// unmounted; the mount table names its image (Mounted.Image).
+func (h *Host) MountImage(ctx context.Context, dir string, spec Spec) error {
+	return h.mount(ctx, dir, spec, true)
+}
+
+// DataDir is the directory an image's redirects point into: the data-only lower layer
+// of an overlay that layers an image directly.
+func (h *Host) DataDir() string { return h.store.Root() }
+
+func (h *Host) mount(ctx context.Context, dir string, spec Spec, imageOnly bool) error {
 	if spec.Root.IsZero() {
 		return fmt.Errorf("kernel view at %s: a kernel view needs its tree at mount (no late binding): %w", dir, errdefs.ErrInvalidArgument)
 	}
@@ -72,10 +89,15 @@ func (h *Host) Mount(ctx context.Context, dir string, spec Spec) error {
 	if err != nil {
 		return err
 	}
-	if err := mountView(img, h.store.Root(), spec.Key(), dir); err != nil {
+	if imageOnly {
+		err = mountImage(img, dir)
+	} else {
+		err = mountView(img, h.store.Root(), spec.Key(), dir)
+	}
+	if err != nil {
 		return err
 	}
-	log.G(ctx).WithFields(log.Fields{"dir": dir, "root": spec.Root.Short(), "image": filepath.Base(img)}).Debug("kernel view mounted")
+	log.G(ctx).WithFields(log.Fields{"dir": dir, "root": spec.Root.Short(), "image": filepath.Base(img), "image_only": imageOnly}).Debug("kernel view mounted")
 	return nil
 }
 

@@ -280,3 +280,83 @@ func TestCacheSharedAndCollected(t *testing.T) {
 		t.Errorf("unmount of a dir with no view: %v", err)
 	}
 }
+
+// TestMountImageDirect: an image mounted alone is found in the mount table as an
+// image (its key, for collection and GC), and an overlay that layers it directly (the
+// legacy mount(2) option string containerd uses: image, then "::" and the object
+// directory as data-only layer, metacopy=on, redirect_dir=on) shows the tree, takes
+// writes and keeps working after the image mount is detached and the image file
+// removed.
+func TestMountImageDirect(t *testing.T) {
+	requireKernel(t)
+	s := casstoretest.NewStore(t)
+	root := fixture(t, s)
+	h := newHost(t, s)
+	spec := Spec{Root: root, Prefix: "app"}
+	img := t.TempDir()
+	if err := h.MountImage(context.Background(), img, spec); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = unix.Unmount(img, unix.MNT_DETACH) })
+	m, err := MountedAt(img)
+	if err != nil || m == nil || !m.Image || m.Key != spec.Key() {
+		t.Fatalf("mount table: %+v, %v; want the image of key %s", m, err, spec.Key())
+	}
+	if roots, err := h.Cache().MountedRoots(); err != nil || len(roots) != 1 || roots[0] != root {
+		t.Fatalf("mounted roots %v, %v; want [%s]", roots, err, root)
+	}
+	if removed, err := h.Cache().Collect(context.Background(), 0); err != nil || removed != 0 {
+		t.Fatalf("collect with the image mounted: removed %d, %v", removed, err)
+	}
+
+	tmp := t.TempDir()
+	upper, work, merged := filepath.Join(tmp, "upper"), filepath.Join(tmp, "work"), filepath.Join(tmp, "merged")
+	for _, d := range []string{upper, work, merged} {
+		if err := os.Mkdir(d, 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	opts := "lowerdir=" + img + "::" + h.DataDir() + ",upperdir=" + upper + ",workdir=" + work + ",metacopy=on,redirect_dir=on"
+	if err := unix.Mount("overlay", merged, "overlay", 0, opts); err != nil {
+		t.Fatalf("mount overlay %s: %v", opts, err)
+	}
+	t.Cleanup(func() { _ = unix.Unmount(merged, unix.MNT_DETACH) })
+	if b, err := os.ReadFile(filepath.Join(merged, "app/README.md")); err != nil || string(b) != "hello\n" {
+		t.Fatalf("read through the overlay: %q, %v", b, err)
+	}
+	// The image mount can go (the overlay holds its own reference), and its file too.
+	if err := h.Unmount(context.Background(), img); err != nil {
+		t.Fatal(err)
+	}
+	if IsMounted(img) {
+		t.Fatal("image still mounted")
+	}
+	if err := os.Remove(filepath.Join(h.Cache().Dir(), spec.Key()+".erofs")); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chmod(filepath.Join(merged, "app/README.md"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Rename(filepath.Join(merged, "app/src"), filepath.Join(merged, "app/src2")); err != nil {
+		t.Fatalf("rename of an image dir (redirect_dir=on): %v", err)
+	}
+	if b, err := os.ReadFile(filepath.Join(merged, "app/src2/main.go")); err != nil || string(b) != "package main\n" {
+		t.Fatalf("read in the renamed dir: %q, %v", b, err)
+	}
+	if b, err := os.ReadFile(filepath.Join(merged, "app/README.md")); err != nil || string(b) != "hello\n" {
+		t.Fatalf("read after chmod: %q, %v", b, err)
+	}
+	if fi, err := os.Stat(filepath.Join(upper, "app/README.md")); err != nil || fi.Size() != int64(len("hello\n")) {
+		t.Fatalf("upper after chmod: %v, %v", fi, err)
+	}
+	// A missing object fails the open of that file only, with ENOENT.
+	if err := os.Remove(s.Path(casstore.Sum([]byte("package b\n")))); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.ReadFile(filepath.Join(merged, "app/src2/a/b/deep.go")); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("read of a file whose object is gone: %v, want ENOENT", err)
+	}
+	if b, err := os.ReadFile(filepath.Join(merged, "app/src2/same.go")); err != nil || string(b) != "package main\n" {
+		t.Fatalf("another file: %q, %v", b, err)
+	}
+}

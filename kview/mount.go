@@ -20,14 +20,30 @@ const SourcePrefix = "tidepool-kview:"
 type Mounted struct {
 	Dir string // mountpoint
 	Key string // image key
+	// Image: the image alone (MountImage), to be layered directly into a container's
+	// overlay with the object directory as data-only layer; otherwise the view's own
+	// overlay.
+	Image bool
 }
 
-// mountView mounts the view of image at dir: the image, mounted by EROFS straight from
-// its file (kernel >= 6.12) and never attached anywhere, is the overlay's lower layer,
-// and objects (the store root) its data-only lower layer, which the image's redirect
-// xattrs point into. Both mounts are read-only, nodev and nosuid.
-func mountView(image, objects, key, dir string) error {
-	erofsFD, err := fsmount("erofs", map[string]string{"source": image}, nil)
+// mountImage mounts image alone at dir: EROFS, straight from its file (never a loop
+// device), read-only, nodev and nosuid. Its source in the mount table is the image's
+// path, which names its key.
+func mountImage(image, dir string) error {
+	fd, err := mountErofs(image)
+	if err != nil {
+		return err
+	}
+	defer unix.Close(fd)
+	if err := unix.MoveMount(fd, "", unix.AT_FDCWD, dir, unix.MOVE_MOUNT_F_EMPTY_PATH); err != nil {
+		return fmt.Errorf("attach image %s at %s: %w", image, dir, err)
+	}
+	return nil
+}
+
+// mountErofs returns a detached EROFS mount of image.
+func mountErofs(image string) (int, error) {
+	fd, err := fsmount("erofs", map[string]string{"source": image}, nil)
 	if err != nil {
 		switch {
 		case errors.Is(err, unix.ENODEV):
@@ -35,7 +51,19 @@ func mountView(image, objects, key, dir string) error {
 		case errors.Is(err, unix.ENOTBLK), errors.Is(err, unix.EINVAL):
 			err = fmt.Errorf("%w (EROFS cannot mount an image file: needs kernel >= 6.12 with CONFIG_EROFS_FS_BACKED_BY_FILE)", err)
 		}
-		return fmt.Errorf("mount image %s: %w", image, err)
+		return -1, fmt.Errorf("mount image %s: %w", image, err)
+	}
+	return fd, nil
+}
+
+// mountView mounts the view of image at dir: the image, mounted by EROFS straight from
+// its file (kernel >= 6.12) and never attached anywhere, is the overlay's lower layer,
+// and objects (the store root) its data-only lower layer, which the image's redirect
+// xattrs point into. Both mounts are read-only, nodev and nosuid.
+func mountView(image, objects, key, dir string) error {
+	erofsFD, err := mountErofs(image)
+	if err != nil {
+		return err
 	}
 	defer unix.Close(erofsFD)
 	ovlFD, err := fsmount("overlay", map[string]string{"source": SourcePrefix + key, "metacopy": "on", "redirect_dir": "follow"},
@@ -148,12 +176,33 @@ func mountedAt(dir string) (*Mounted, error) {
 	return asView(ms[len(ms)-1]), nil
 }
 
+// asView recognizes a view's mount: an overlay whose source names its key, or an
+// EROFS mount of a cached image (its source is the image's path, KEY.erofs).
 func asView(m *mountinfo.Info) *Mounted {
-	key, ok := strings.CutPrefix(m.Source, SourcePrefix)
-	if m.FSType != "overlay" || !ok {
-		return nil
+	switch m.FSType {
+	case "overlay":
+		if key, ok := strings.CutPrefix(m.Source, SourcePrefix); ok {
+			return &Mounted{Dir: m.Mountpoint, Key: key}
+		}
+	case "erofs":
+		if key, ok := strings.CutSuffix(filepath.Base(m.Source), ".erofs"); ok && validKey(key) {
+			return &Mounted{Dir: m.Mountpoint, Key: key, Image: true}
+		}
 	}
-	return &Mounted{Dir: m.Mountpoint, Key: key}
+	return nil
+}
+
+// validKey reports whether s looks like Spec.Key's output.
+func validKey(s string) bool {
+	if len(s) != 32 {
+		return false
+	}
+	for _, c := range s {
+		if !('0' <= c && c <= '9' || 'a' <= c && c <= 'f') {
+			return false
+		}
+	}
+	return true
 }
 
 // List returns the kernel views mounted at or under dir.
@@ -177,6 +226,9 @@ func IsMounted(dir string) bool {
 	m, err := mountedAt(dir)
 	return err == nil && m != nil
 }
+
+// MountedAt returns the kernel view mounted at dir, or nil.
+func MountedAt(dir string) (*Mounted, error) { return mountedAt(dir) }
 
 // ensureDir makes dir (mode 0700) if it is missing.
 func ensureDir(dir string) error {

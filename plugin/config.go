@@ -11,6 +11,7 @@ import (
 
 	"github.com/tidepool-dev/tidepool/binding"
 	"github.com/tidepool-dev/tidepool/casstore"
+	"github.com/tidepool-dev/tidepool/snapshotter"
 )
 
 // DefaultRoot is the state directory when none is configured.
@@ -59,6 +60,7 @@ type ViewsConfig struct {
 	NoOpen       bool     `toml:"no_open" comment:"Kernel open caching: no FUSE round trip per open (warm small-file reads near native), but no passthrough and\na page cache per view (N containers on one root cache each file N times). Off by default."`
 	EntryTimeout Duration `toml:"entry_timeout" comment:"How long the kernel caches names; objects never change, so long is safe."`
 	AttrTimeout  Duration `toml:"attr_timeout" comment:"How long the kernel caches attributes."`
+	Layering     string   `toml:"layering" comment:"How a kernel view enters the container's overlay: 'direct' (its EROFS image is the overlay's top lower\nlayer and the object store its data-only layer; metacopy=on, redirect_dir=on, trusted xattrs) or 'nested'\n(the view's own overlay is the top lower layer). Snapshots over very many layers, and snapshotter mount\noptions with userxattr, metacopy or redirect_dir, get nested views either way."`
 }
 
 // MaintenanceConfig schedules background upkeep.
@@ -112,6 +114,7 @@ func DefaultConfig() *Config {
 		},
 		Views: ViewsConfig{
 			Mode:         "auto",
+			Layering:     "direct",
 			Passthrough:  true,
 			EntryTimeout: Duration(time.Hour),
 			AttrTimeout:  Duration(time.Hour),
@@ -183,6 +186,11 @@ func (c *Config) Validate() error {
 	case "", ModeAuto, ModeKernel, ModeFUSE:
 	default:
 		return fmt.Errorf("config: views.mode %q: want %q, %q or %q", c.Views.Mode, ModeAuto, ModeKernel, ModeFUSE)
+	}
+	switch c.Views.Layering {
+	case "", snapshotter.LayeringDirect, snapshotter.LayeringNested:
+	default:
+		return fmt.Errorf("config: views.layering %q: want %q or %q", c.Views.Layering, snapshotter.LayeringDirect, snapshotter.LayeringNested)
 	}
 	return nil
 }

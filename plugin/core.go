@@ -93,6 +93,7 @@ func NewCore(ctx context.Context, cfg *Config) (_ *Core, retErr error) {
 		AsyncRemove:  !cfg.Snapshotter.SyncRemove,
 		Defaults:     binding.Defaults{Workdir: cfg.Snapshotter.DefaultWorkdir, UID: uid, GID: gid},
 		Remote:       rf,
+		ViewLayering: cfg.Views.Layering,
 	}, store, db, views)
 	if err != nil {
 		return nil, err

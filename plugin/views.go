@@ -136,7 +136,11 @@ func (h *ViewHost) mountKernel(ctx context.Context, dir string, spec snapshotter
 	if h.kernel == nil || spec.Root.IsZero() {
 		return false, nil
 	}
-	err = h.kernel.Mount(ctx, dir, kview.Spec{Root: spec.Root, Prefix: spec.Prefix, UID: spec.UID, GID: spec.GID})
+	mount := h.kernel.Mount
+	if spec.Image {
+		mount = h.kernel.MountImage
+	}
+	err = mount(ctx, dir, kview.Spec{Root: spec.Root, Prefix: spec.Prefix, UID: spec.UID, GID: spec.GID})
 	if err == nil {
 		return true, nil
 	}
@@ -257,6 +261,16 @@ func (h *ViewHost) Unmount(ctx context.Context, dir string) error {
 	delete(h.views, dir)
 	h.mu.Unlock()
 	return nil
+}
+
+// ImageLayer implements snapshotter.ViewHost: a kernel view's image mounted alone
+// (kview.Host.MountImage, possibly by an earlier process) points into the store.
+func (h *ViewHost) ImageLayer(dir string) (string, bool, error) {
+	m, err := kview.MountedAt(dir)
+	if err != nil || m == nil || !m.Image {
+		return "", false, err
+	}
+	return h.store.Root(), true, nil
 }
 
 // Close unmounts every FUSE view as the process ends. A view still in use (a

@@ -91,10 +91,14 @@ func (s *Snapshotter) Bind(ctx context.Context, req BindRequest) (BindResult, er
 		if err := s.agrees(ctx, have, want, req); err != nil {
 			return BindResult{}, fmt.Errorf("bind %s: %w", key, err)
 		}
-		if err := s.ensureView(ctx, sn.ID, have); err != nil {
+		if err := s.ensureView(ctx, sn, have); err != nil {
 			return BindResult{}, fmt.Errorf("bind %s: %w", key, err)
 		}
-		return BindResult{Key: key, ForkID: have.forkID, Root: have.base, Mounts: s.forkMounts(sn)}, nil
+		mounts, err := s.forkMounts(sn)
+		if err != nil {
+			return BindResult{}, fmt.Errorf("bind %s: %w", key, err)
+		}
+		return BindResult{Key: key, ForkID: have.forkID, Root: have.base, Mounts: mounts}, nil
 	case ok: // prepared late-bound: the view is in the overlay already, with its prefix and owner
 		if req.Workdir != "" && want.Workdir != have.spec.Workdir {
 			return BindResult{}, fmt.Errorf("bind %s: workdir %s differs from %s, where the snapshot's view was prepared: %w", key, want.Workdir, have.spec.Workdir, errdefs.ErrConflict)
@@ -135,7 +139,15 @@ func (s *Snapshotter) bindFresh(ctx context.Context, key string, sn storage.Snap
 		}
 	}()
 	b := bound{spec: want, forkID: forkID, base: root}
-	if err := s.pinAndMount(ctx, sn.ID, key, b); err != nil {
+	if err := s.pinAndMount(ctx, sn, key, b); err != nil {
+		return BindResult{}, fmt.Errorf("bind %s: %w", key, err)
+	}
+	mounts, err := s.forkMounts(sn)
+	if err != nil {
+		if uerr := s.views.Unmount(context.WithoutCancel(ctx), s.viewDir(sn.ID)); uerr != nil {
+			log.G(ctx).WithError(uerr).Warn("could not unmount the view of a failed bind")
+		}
+		_ = s.forks.Unpin(pinName(key))
 		return BindResult{}, fmt.Errorf("bind %s: %w", key, err)
 	}
 	labels := map[string]string{
@@ -153,7 +165,7 @@ func (s *Snapshotter) bindFresh(ctx context.Context, key string, sn storage.Snap
 		return BindResult{}, fmt.Errorf("bind %s: %w", key, err)
 	}
 	s.metrics.binds.WithLabelValues("api").Inc()
-	return BindResult{Key: key, ForkID: forkID, Root: root, Mounts: s.forkMounts(sn)}, nil
+	return BindResult{Key: key, ForkID: forkID, Root: root, Mounts: mounts}, nil
 }
 
 // bindLate binds a fork to a snapshot prepared late-bound. Once the view is bound
@@ -183,7 +195,12 @@ func (s *Snapshotter) bindLate(ctx context.Context, key string, sn storage.Snaps
 		return BindResult{}, fmt.Errorf("bind %s: pin root %s: %w", key, root, err)
 	}
 	dir := s.viewDir(sn.ID)
-	if err := s.ensureView(ctx, sn.ID, have); err != nil {
+	if err := s.ensureView(ctx, sn, have); err != nil {
+		hold()
+		return BindResult{}, fmt.Errorf("bind %s: %w", key, err)
+	}
+	mounts, err := s.forkMounts(sn)
+	if err != nil {
 		hold()
 		return BindResult{}, fmt.Errorf("bind %s: %w", key, err)
 	}
@@ -199,7 +216,7 @@ func (s *Snapshotter) bindLate(ctx context.Context, key string, sn storage.Snaps
 	*unlock = nil
 	s.recordBehind(ctx, key, bindRecord{pin: root, labels: labels}, func() { hold(); release() })
 	s.metrics.binds.WithLabelValues("late").Inc()
-	return BindResult{Key: key, ForkID: forkID, Root: root, Mounts: s.forkMounts(sn)}, nil
+	return BindResult{Key: key, ForkID: forkID, Root: root, Mounts: mounts}, nil
 }
 
 func (s *Snapshotter) setLabels(ctx context.Context, key string, labels map[string]string) error {

@@ -196,6 +196,7 @@ func (s *Snapshotter) Branch(ctx context.Context, req BranchRequest) (_ BranchRe
 			return err
 		},
 	}
+	opts.Lowers = s.imageLayers(sn)
 	root, st, err := ingest.UpperStats(ctx, s.store, b.base, s.upperPath(sn.ID), b.spec.Prefix(), opts)
 	if err != nil {
 		return BranchResult{}, fmt.Errorf("branch %s: %w", key, err)

@@ -1,6 +1,7 @@
 // Package snapshotter is the tidepool containerd snapshotter: containerd's own overlay
-// snapshotter for the image layers, with a lazily hydrated, read-only view of a source
-// fork placed on top of them as the highest lower layer. The container's rootfs is then
+// snapshotter for the image layers, with a read-only view of a source fork placed on
+// top of them as the highest lower layer (a kernel view's EROFS image itself, with the
+// object store as data-only layer, where the options allow: see LayeringDirect). The container's rootfs is then
 // baked dependencies (image) united with forked source (view), and its writes land in
 // the overlay upper directory. Removing a fork-bearing snapshot commits what changed
 // under the workdir back to the fork as a new root, in O(changed).

@@ -2,15 +2,22 @@ package snapshotter_test
 
 import (
 	"context"
+	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
+	"strings"
 	"testing"
 
 	"github.com/containerd/containerd/v2/core/mount"
 	"github.com/moby/sys/mountinfo"
+	"golang.org/x/sys/unix"
 
 	"github.com/tidepool-dev/tidepool/binding"
+	"github.com/tidepool-dev/tidepool/casstore/ingest"
 	"github.com/tidepool-dev/tidepool/kview"
+	"github.com/tidepool-dev/tidepool/snapshotter"
 )
 
 func mountID(t testing.TB, dir string) int {
@@ -48,6 +55,10 @@ func TestKernelViewOutlivesHost(t *testing.T) {
 		t.Fatalf("kernel views %v (%v), want one", kv, err)
 	}
 	id := mountID(t, kv[0].Dir)
+	direct := os.Getenv("TIDEPOOL_VIEWS_LAYERING") != snapshotter.LayeringNested
+	if opts := strings.Join(mounts[0].Options, ","); kv[0].Image != direct || strings.Contains(opts, "::") != direct || strings.Contains(opts, "metacopy=on") != direct || (len(mounts) == 2) != direct {
+		t.Fatalf("direct layering %v: view %+v, overlay options %s", direct, kv[0], opts)
+	}
 
 	rootfs := t.TempDir()
 	if err := mount.All(mounts, rootfs); err != nil {
@@ -55,6 +66,24 @@ func TestKernelViewOutlivesHost(t *testing.T) {
 	}
 	defer mount.UnmountAll(rootfs, 0)
 	writeFiles(t, rootfs, map[string]string{"app/before.txt": "1\n"})
+	// Edits that leave metadata-only copy-ups (of a fork file, of an image file under
+	// the workdir, of an image file moved in) and a renamed directory in a direct
+	// upper; the commit must still equal the merged workdir.
+	for _, f := range []string{"app/README.md", "app/node_modules/dep/index.js"} {
+		if err := os.Chmod(filepath.Join(rootfs, f), 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	srcDir := "app/lib"
+	if err := os.Rename(filepath.Join(rootfs, "app/src"), filepath.Join(rootfs, srcDir)); err != nil {
+		if direct || !errors.Is(err, unix.EXDEV) { // nested: no redirect_dir, so mv would copy
+			t.Fatal(err)
+		}
+		srcDir = "app/src"
+	}
+	if err := os.Rename(filepath.Join(rootfs, "bin/tool"), filepath.Join(rootfs, srcDir, "tool")); err != nil {
+		t.Fatal(err)
+	}
 
 	// A kernel view nobody owns, as a snapshot removed while no daemon ran leaves.
 	orphan := filepath.Join(views, "999")
@@ -85,8 +114,14 @@ func TestKernelViewOutlivesHost(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(m2) != 1 || len(mounts) != 1 || m2[0].Type != mounts[0].Type || len(m2[0].Options) != len(mounts[0].Options) {
+	if !slices.EqualFunc(m2, mounts, func(a, b mount.Mount) bool {
+		return a.Type == b.Type && a.Source == b.Source && slices.Equal(a.Options, b.Options)
+	}) {
 		t.Errorf("mounts after restart %+v, before %+v", m2, mounts)
+	}
+	want, _, err := ingest.Dir(ctx, e2.store, filepath.Join(rootfs, "app"), ingest.Options{})
+	if err != nil {
+		t.Fatal(err)
 	}
 	if err := mount.UnmountAll(rootfs, 0); err != nil {
 		t.Fatal(err)
@@ -94,14 +129,59 @@ func TestKernelViewOutlivesHost(t *testing.T) {
 	if err := e2.sn.Remove(ctx, "c1"); err != nil {
 		t.Fatal(err)
 	}
-	want := map[string]string{"before.txt": "1\n", "after.txt": "2\n"}
-	for p, c := range sourceFiles {
-		want[p] = c
-	}
-	if got, exp := forkOf(t, e2.db, "c1").Root, ingestFiles(t, e2.store, want); got != exp {
-		t.Errorf("commit %s, want %s (the merged workdir)", got, exp)
+	if got := forkOf(t, e2.db, "c1").Root; got != want {
+		t.Errorf("commit %s, want %s (the merged workdir)", got, want)
 	}
 	if left, _ := kview.List(views); len(left) != 0 {
 		t.Errorf("kernel views left: %v", left)
+	}
+}
+
+// TestKernelViewManyLayers: a fork over 128 image layers (containerd's suite's deepest
+// case) gets a nested view, since containerd cannot shorten a lowerdir with a
+// data-only layer; its overlay mounts through containerd's mount code and shows both
+// the fork and the deepest layer.
+func TestKernelViewManyLayers(t *testing.T) {
+	requireRoot(t)
+	if err := kview.Probe(t.TempDir()); err != nil {
+		t.Skip(err)
+	}
+	t.Setenv("TIDEPOOL_VIEWS_MODE", "kernel")
+	ctx := context.Background()
+	e := newEnv(t, t.TempDir())
+	parent := ""
+	for i := range 128 {
+		name, key := fmt.Sprintf("layer-%d", i), fmt.Sprintf("layer-%d-active", i)
+		mounts, err := e.sn.Prepare(ctx, key, parent)
+		if err != nil {
+			t.Fatal(err)
+		}
+		withMounted(t, mounts, func(dir string) { writeFiles(t, dir, map[string]string{fmt.Sprintf("layers/%d", i): "x\n"}) })
+		if err := e.sn.Commit(ctx, name, key); err != nil {
+			t.Fatal(err)
+		}
+		parent = name
+	}
+	src := ingestFiles(t, e.store, sourceFiles)
+	for _, c := range []struct{ key, parent string }{{"shallow", "layer-0"}, {"deep", parent}} {
+		mounts, err := e.sn.Prepare(ctx, c.key, c.parent, labels(binding.LabelFork, src.String(), binding.LabelWorkdir, "/app"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		direct := os.Getenv("TIDEPOOL_VIEWS_LAYERING") != snapshotter.LayeringNested && c.key == "shallow"
+		if got := strings.Contains(strings.Join(mounts[0].Options, ","), "::"); got != direct {
+			t.Errorf("%s: direct layering %v, want %v: %v", c.key, got, direct, mounts[0].Options)
+		}
+		withMounted(t, mounts, func(dir string) {
+			if got := readFile(t, filepath.Join(dir, "app/README.md")); got != sourceFiles["README.md"] {
+				t.Errorf("%s: fork file %q", c.key, got)
+			}
+			if got := readFile(t, filepath.Join(dir, "layers/0")); got != "x\n" {
+				t.Errorf("%s: deepest layer's file %q", c.key, got)
+			}
+		})
+		if err := e.sn.Remove(ctx, c.key); err != nil {
+			t.Fatal(err)
+		}
 	}
 }

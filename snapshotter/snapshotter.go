@@ -58,7 +58,24 @@ type Config struct {
 	// Remote, if set, serves "remote:NAME" forks and roots missing locally, and
 	// receives the commits of forks made from remote refs.
 	Remote Remote
+	// ViewLayering is how a kernel view enters the container's overlay:
+	// LayeringDirect (the default) or LayeringNested.
+	ViewLayering string
 }
+
+// How a kernel view enters a container's overlay.
+const (
+	// LayeringDirect: the view's EROFS image, mounted alone, is the overlay's top
+	// lower layer and the object directory its data-only layer
+	// (lowerdir=IMAGE:LAYERS...::OBJECTS, metacopy=on, redirect_dir=on, no
+	// userxattr). One overlay fewer on every lookup and read. Snapshots whose option
+	// string would not fit in a page, and hosts whose overlay options rule out
+	// metacopy (userxattr), fall back to nested.
+	LayeringDirect = "direct"
+	// LayeringNested: the view's own overlay (image + object directory) is the
+	// container overlay's top lower layer, with the overlay snapshotter's options.
+	LayeringNested = "nested"
+)
 
 // Snapshotter implements snapshots.Snapshotter.
 type Snapshotter struct {
@@ -77,6 +94,9 @@ type Snapshotter struct {
 	// forks) in shared metadata transactions: see groupcommit.
 	labelWrites *groupcommit.Group[context.Context]
 	records     bindRecords // binds recorded behind their claims (record.go)
+	// direct: kernel views are layered directly into containers' overlays
+	// (LayeringDirect) where a snapshot's options allow it.
+	direct bool
 }
 
 var _ snapshots.Snapshotter = (*Snapshotter)(nil)
@@ -98,6 +118,11 @@ func New(ctx context.Context, cfg Config, store *casstore.Store, fk ForkStore, v
 		ms.Close()
 		return nil, err
 	}
+	direct, err := directLayering(cfg.ViewLayering, options)
+	if err != nil {
+		ms.Close()
+		return nil, err
+	}
 	opts := []overlay.Opt{overlay.WithMetaStore(ms), overlay.WithMountOptions(options)}
 	if cfg.AsyncRemove {
 		opts = append(opts, overlay.AsynchronousRemove)
@@ -110,7 +135,7 @@ func New(ctx context.Context, cfg Config, store *casstore.Store, fk ForkStore, v
 	s := &Snapshotter{
 		root: cfg.Root, ms: ms, overlay: ov, store: store, forks: fk, views: views,
 		defaults: cfg.Defaults, options: options, locks: locker.New(), metrics: newMetrics(),
-		remote: cfg.Remote,
+		remote: cfg.Remote, direct: direct,
 	}
 	s.labelWrites = &groupcommit.Group[context.Context]{Commit: func(apply func(context.Context) error) error {
 		return ms.WithTransaction(context.WithoutCancel(ctx), true, apply)
@@ -143,6 +168,27 @@ func mountOptions(root string, configured []string) ([]string, error) {
 		}
 	}
 	return options, nil
+}
+
+// directLayering says whether kernel views are layered directly: asked for, and the
+// overlay options leave metacopy and redirect_dir to the snapshotter and trusted
+// xattrs in use (overlayfs refuses metacopy with userxattr; an image's xattrs are
+// trusted.overlay.*).
+func directLayering(layering string, options []string) (bool, error) {
+	switch layering {
+	case "", LayeringDirect:
+	case LayeringNested:
+		return false, nil
+	default:
+		return false, fmt.Errorf("view layering %q: want %q or %q: %w", layering, LayeringDirect, LayeringNested, errdefs.ErrInvalidArgument)
+	}
+	for _, o := range []string{"userxattr", "metacopy", "redirect_dir"} {
+		if hasOption(options, o) {
+			log.L.WithField("option", o).Info("overlay option set: kernel views are layered nested, not directly")
+			return false, nil
+		}
+	}
+	return true, nil
 }
 
 func hasOption(options []string, key string) bool {
@@ -256,8 +302,12 @@ func (s *Snapshotter) create(ctx context.Context, kind snapshots.Kind, key, pare
 		var b bound
 		b, _, err = s.parseBound(info)
 		if err == nil {
-			err = s.pinAndMount(ctx, sn.ID, key, b)
+			err = s.pinAndMount(ctx, sn, key, b)
 		}
+	}
+	var mounts []mount.Mount
+	if err == nil {
+		mounts, err = s.forkMounts(sn)
 	}
 	if err != nil {
 		if rerr := s.overlay.Remove(context.WithoutCancel(ctx), key); rerr != nil {
@@ -266,7 +316,7 @@ func (s *Snapshotter) create(ctx context.Context, kind snapshots.Kind, key, pare
 		return nil, fmt.Errorf("prepare %s: %w", key, err)
 	}
 	s.metrics.binds.WithLabelValues("label").Inc()
-	return s.forkMounts(sn), nil
+	return mounts, nil
 }
 
 // bound is a fork-bearing snapshot's binding as recorded in its labels.
@@ -297,24 +347,26 @@ func (s *Snapshotter) parseBound(info snapshots.Info) (bound, bool, error) {
 func pinName(key string) string { return "snapshot/" + key }
 
 // pinAndMount pins the bound root for as long as the snapshot exists and serves its view.
-func (s *Snapshotter) pinAndMount(ctx context.Context, id, key string, b bound) error {
+func (s *Snapshotter) pinAndMount(ctx context.Context, sn storage.Snapshot, key string, b bound) error {
 	if b.isBound() {
 		if err := s.forks.Pin(pinName(key), b.base); err != nil {
 			return fmt.Errorf("pin root %s: %w", b.base.Short(), err)
 		}
 	}
-	return s.ensureView(ctx, id, b)
+	return s.ensureView(ctx, sn, b)
 }
 
-func (s *Snapshotter) ensureView(ctx context.Context, id string, b bound) error {
-	dir := s.viewDir(id)
+// ensureView serves sn's view unless it is mounted already (a view mounted by an
+// earlier process is adopted as it is, image alone or nested).
+func (s *Snapshotter) ensureView(ctx context.Context, sn storage.Snapshot, b bound) error {
+	dir := s.viewDir(sn.ID)
 	if s.views.Mounted(ctx, dir) {
 		return nil
 	}
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return fmt.Errorf("create view mountpoint: %w", err)
 	}
-	spec := ViewSpec{Root: b.base, Prefix: b.spec.Prefix(), UID: b.spec.UID, GID: b.spec.GID}
+	spec := ViewSpec{Root: b.base, Prefix: b.spec.Prefix(), UID: b.spec.UID, GID: b.spec.GID, Image: s.fitsDirect(sn)}
 	if err := s.views.Mount(ctx, dir, spec); err != nil {
 		return fmt.Errorf("mount fork view at %s: %w", dir, err)
 	}
@@ -373,8 +425,34 @@ func (s *Snapshotter) get(ctx context.Context, key string) (sn storage.Snapshot,
 	return sn, info, err
 }
 
-// forkMounts is the overlay of a fork-bearing snapshot: the view above the image layers.
-func (s *Snapshotter) forkMounts(sn storage.Snapshot) []mount.Mount {
+// forkMounts is the overlay of a fork-bearing snapshot: the view above the image
+// layers, layered as it is mounted (ImageLayer).
+func (s *Snapshotter) forkMounts(sn storage.Snapshot) ([]mount.Mount, error) {
+	data, image, err := s.views.ImageLayer(s.viewDir(sn.ID))
+	if err != nil {
+		return nil, fmt.Errorf("snapshot %s: fork view: %w", sn.ID, err)
+	}
+	mounts := []mount.Mount{{Type: "overlay", Source: "overlay", Options: s.forkOptions(sn, data, image)}}
+	if image {
+		mounts = append(mounts, noUserspaceView)
+	}
+	return mounts, nil
+}
+
+// noUserspaceView ends the mounts of a directly layered snapshot. containerd (2.4)
+// reads a rootfs for user and group lookups without mounting it when it can parse
+// the last mount (fsview: an overlay's lowerdir split at ':' and each layer opened
+// as a plain directory). That reader cannot follow a data-only layer (the "::"
+// separator makes it open "") nor metacopy redirects (an image's files would read
+// as holes), so this last mount, a remount without data that mount.All skips, has a
+// type it does not know: it then mounts the rootfs read-only for real, with the
+// kernel, as the runtime does.
+var noUserspaceView = mount.Mount{Type: "none", Source: "none", Options: []string{"remount"}}
+
+// forkOptions are the overlay options of a fork-bearing snapshot. With image, the
+// view is a kernel view's image mounted alone: its files are metadata-only copies
+// whose redirects name objects in data, the data-only layer after "::".
+func (s *Snapshotter) forkOptions(sn storage.Snapshot, data string, image bool) []string {
 	lowers := []string{s.viewDir(sn.ID)}
 	for _, p := range sn.ParentIDs {
 		lowers = append(lowers, s.upperPath(p))
@@ -385,9 +463,28 @@ func (s *Snapshotter) forkMounts(sn storage.Snapshot) []mount.Mount {
 	} else if len(sn.ParentIDs) == 0 {
 		lowers = append(lowers, s.upperPath(sn.ID)) // overlay needs two lowers without an upper
 	}
-	options = append(options, "lowerdir="+strings.Join(lowers, ":"))
-	options = append(options, s.options...)
-	return []mount.Mount{{Type: "overlay", Source: "overlay", Options: options}}
+	if !image {
+		options = append(options, "lowerdir="+strings.Join(lowers, ":"))
+		return append(options, s.options...)
+	}
+	options = append(options, "lowerdir="+strings.Join(lowers, ":")+"::"+data, "metacopy=on", "redirect_dir=on")
+	return append(options, s.options...) // without userxattr (directLayering)
+}
+
+// fitsDirect says whether sn's kernel view is to be its image alone, layered directly:
+// direct layering is on and the option string is short enough for containerd to
+// mount as it is. containerd shortens a long lowerdir (from a page less 512 bytes
+// on) by moving into the layers' common directory, which a data-only layer defeats;
+// a snapshot over that many layers gets a nested view, whose options it can shorten.
+func (s *Snapshotter) fitsDirect(sn storage.Snapshot) bool {
+	if !s.direct {
+		return false
+	}
+	size := 0
+	for _, o := range s.forkOptions(sn, s.store.Root(), true) {
+		size += len(o)
+	}
+	return size < os.Getpagesize()-512
 }
 
 // Mounts returns a snapshot's mounts, mounting its view again if this process has not
@@ -406,10 +503,10 @@ func (s *Snapshotter) Mounts(ctx context.Context, key string) ([]mount.Mount, er
 	}
 	s.locks.Lock(key)
 	defer s.locks.Unlock(key)
-	if err := s.ensureView(ctx, sn.ID, b); err != nil {
+	if err := s.ensureView(ctx, sn, b); err != nil {
 		return nil, fmt.Errorf("mounts %s: %w", key, err)
 	}
-	return s.forkMounts(sn), nil
+	return s.forkMounts(sn)
 }
 
 // Commit turns an active snapshot into a layer. A fork-bearing snapshot cannot be one:
@@ -441,7 +538,7 @@ func (s *Snapshotter) Remove(ctx context.Context, key string) error {
 	}
 	if ok {
 		if sn.Kind == snapshots.KindActive && b.isBound() && !b.spec.Discard {
-			if _, _, err := s.commitToFork(ctx, key, sn.ID, b); err != nil {
+			if _, _, err := s.commitToFork(ctx, key, sn, b); err != nil {
 				s.metrics.commitErrors.Inc()
 				return fmt.Errorf("remove %s: commit changes to fork %s: %w (the snapshot is kept; label %s=true discards it)", key, b.forkID, err, binding.LabelDiscard)
 			}
@@ -468,7 +565,7 @@ func (s *Snapshotter) Remove(ctx context.Context, key string) error {
 // next root and returns the fork that holds them. If the fork moved meanwhile
 // (another container bound to the same fork committed first), the result becomes a
 // fork of its own rather than overwrite that.
-func (s *Snapshotter) commitToFork(ctx context.Context, key, id string, b bound) (string, casstore.Hash, error) {
+func (s *Snapshotter) commitToFork(ctx context.Context, key string, sn storage.Snapshot, b bound) (string, casstore.Hash, error) {
 	start := time.Now()
 	// The fork moves inside Record, while the new objects are still held against
 	// garbage collection, so a collection can never sweep them before they are live.
@@ -481,7 +578,7 @@ func (s *Snapshotter) commitToFork(ctx context.Context, key, id string, b bound)
 		forkID = id
 		return err
 	}
-	newRoot, err := ingest.Upper(ctx, s.store, b.base, s.upperPath(id), b.spec.Prefix(), ingest.Options{Record: record})
+	newRoot, err := ingest.Upper(ctx, s.store, b.base, s.upperPath(sn.ID), b.spec.Prefix(), ingest.Options{Record: record, Lowers: s.imageLayers(sn)})
 	if err != nil {
 		return "", newRoot, err
 	}
@@ -497,6 +594,16 @@ func (s *Snapshotter) commitToFork(ctx context.Context, key, id string, b bound)
 		return forkID, newRoot, s.publish(ctx, key, forkID, b.base, newRoot)
 	}
 	return forkID, newRoot, nil
+}
+
+// imageLayers are the directories of sn's image layers, top first: where a
+// metadata-only copy-up of an image file (metacopy=on) finds its data at commit.
+func (s *Snapshotter) imageLayers(sn storage.Snapshot) []string {
+	dirs := make([]string, len(sn.ParentIDs))
+	for i, p := range sn.ParentIDs {
+		dirs[i] = s.upperPath(p)
+	}
+	return dirs
 }
 
 // advanceFork moves the bound fork from the root the snapshot started at to root, and
@@ -545,7 +652,7 @@ func (s *Snapshotter) CommitNow(ctx context.Context, key string) (string, cassto
 	if b.spec.Discard {
 		return b.forkID, b.base, nil
 	}
-	forkID, root, err := s.commitToFork(ctx, key, sn.ID, b)
+	forkID, root, err := s.commitToFork(ctx, key, sn, b)
 	if err != nil {
 		s.metrics.commitErrors.Inc()
 		return "", root, fmt.Errorf("commit %s to fork %s: %w", key, b.forkID, err)

@@ -80,7 +80,7 @@ func newEnv(t testing.TB, root string) *env {
 	if err != nil {
 		t.Fatal(err)
 	}
-	sn, err := snapshotter.New(ctx, snapshotter.Config{Root: root}, store, db, views)
+	sn, err := snapshotter.New(ctx, snapshotter.Config{Root: root, ViewLayering: os.Getenv("TIDEPOOL_VIEWS_LAYERING")}, store, db, views)
 	if err != nil {
 		db.Close()
 		t.Fatal(err)

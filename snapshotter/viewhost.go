@@ -12,6 +12,10 @@ type ViewSpec struct {
 	Root     casstore.Hash // zero: mount unbound, Bind later
 	Prefix   string        // the workdir relative to the rootfs, e.g. "app"
 	UID, GID uint32
+	// Image asks for a kernel view's image alone, which the container's overlay
+	// layers directly (see ImageLayer); a host that serves the view otherwise (FUSE)
+	// ignores it.
+	Image bool
 }
 
 // ViewHost mounts and unmounts fork views at directories. The snapshotter does not
@@ -30,4 +34,9 @@ type ViewHost interface {
 	Mounted(ctx context.Context, dir string) bool
 	// Unmount stops serving dir and detaches it; a dir that is not mounted is fine.
 	Unmount(ctx context.Context, dir string) error
+	// ImageLayer reports whether the view at dir is a kernel view's image mounted
+	// alone, and if so the directory its files' redirects point into: the overlay
+	// above must take the image as a lower layer and that directory as its data-only
+	// layer, with metacopy=on. It fails when it cannot tell.
+	ImageLayer(dir string) (dataDir string, ok bool, err error)
 }

@@ -24,11 +24,13 @@ type child struct {
 	// file marks a regular file still to be stored by a worker; size is its size.
 	file bool
 	size int64
-	// walk marks a directory still to be walked; if hasBase, it is merged over the
-	// base tree named by base (Upper only).
-	walk    bool
-	hasBase bool
-	base    casstore.Hash
+	// src, if set, is where a file's data is read instead of its own path (Upper: a
+	// metadata-only copy-up whose data is in a lower layer).
+	src string
+	// walk marks a directory still to be walked, merged over its lower directory
+	// (Upper only).
+	walk  bool
+	lower lowerRef
 }
 
 // dirNode is a directory whose tree object is written once every child hash is known.
@@ -254,7 +256,11 @@ func (b *builder) symlink(path string) (casstore.Hash, error) {
 func (b *builder) queueFiles(n *dirNode) {
 	for i := range n.children {
 		if c := &n.children[i]; c.file {
-			b.addFile(childPath(n.path, c.raw), c.size, &c.hash)
+			p := c.src
+			if p == "" {
+				p = childPath(n.path, c.raw)
+			}
+			b.addFile(p, c.size, &c.hash)
 		}
 	}
 }

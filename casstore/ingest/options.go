@@ -43,6 +43,12 @@ type Options struct {
 	// memory while the source is read, writing them to the store only after Read:
 	// the source is read, not copied, in the time Read ends.
 	BufferBytes int64
+	// Lowers are the overlay's lower layers below the base tree, top first (Upper
+	// only: a container image's layers). A metadata-only copy-up (metacopy=on) whose
+	// origin the base does not hold, a file of the image chmodded or renamed into the
+	// tree, takes its data from the first of them that shows a regular file there.
+	// Without them such a copy-up is an error. Nothing else is read from them.
+	Lowers []string
 }
 
 // ProgressInterval is the minimum time between two Progress calls (the final call is
@@ -79,11 +85,11 @@ var ErrNameCollision = fmt.Errorf("names collide after conversion to UTF-8: %w",
 // Options.Strict.
 var ErrSpecialFile = fmt.Errorf("special file (FIFO, socket or device) cannot be stored: %w", errdefs.ErrInvalidArgument)
 
-// ErrRedirect is wrapped by Upper's error for an upper directory that relies on
-// overlayfs's redirect_dir feature (renamed directories pointing at their lower
-// origin), which Upper cannot follow: the lower path it names is outside the base tree
-// as Upper sees it.
-var ErrRedirect = fmt.Errorf("overlay redirect_dir is not supported: %w", errdefs.ErrNotImplemented)
+// ErrRedirect is wrapped by Upper's error for an overlay redirect it cannot follow: a
+// malformed xattr value, or a renamed directory whose lower content lies outside the
+// base tree (a directory of the image moved into the tree: its content is in the
+// image's layers, which Upper does not read).
+var ErrRedirect = fmt.Errorf("overlay redirect cannot be followed: %w", errdefs.ErrFailedPrecondition)
 
 // defaultWorkers is used when Options.Workers is 0.
 const defaultWorkers = 4

@@ -132,7 +132,7 @@ func randomEdit(r *rand.Rand, merged, prefix string) string {
 		dir = root
 	}
 	newPath := filepath.Join(dir, pickName(r))
-	switch k := r.IntN(24); k {
+	switch k := r.IntN(30); k {
 	case 0, 1, 2: // create or overwrite a file
 		writeNB(newPath, randContent(r), randPerm(r))
 		return "write " + newPath
@@ -213,7 +213,10 @@ func randomEdit(r *rand.Rand, merged, prefix string) string {
 			_ = os.Rename(f, newPath)
 			return "mv " + f + " " + newPath
 		}
-	case 18: // rename a dir (EXDEV for lower dirs unless redirect_dir is on)
+	case 18, 26, 27, 28, 29: // rename a dir (EXDEV for lower dirs unless redirect_dir is on)
+		if r.IntN(2) == 0 {
+			newPath = filepath.Join(dir, fmt.Sprintf("r%d", r.IntN(4))) // often free
+		}
 		if d, ok := pick(r, dirs[min(1, len(dirs)):]); ok && !strings.HasPrefix(newPath, d+"/") {
 			_ = os.Rename(d, newPath)
 			return "mv " + d + " " + newPath
@@ -238,6 +241,17 @@ func randomEdit(r *rand.Rand, merged, prefix string) string {
 			_ = os.RemoveAll(filepath.Join(merged, "etc", "hosts"))
 			return "edit outside the prefix"
 		}
+	case 24: // an image file moved into the tree (with metacopy: its data stays in the image)
+		if prefix != "" {
+			from := filepath.Join(merged, []string{"etc/hosts", "usr/bin/tool"}[r.IntN(2)])
+			_ = os.Rename(from, newPath)
+			return "mv " + from + " " + newPath
+		}
+	case 25: // chmod of an image file under the tree... none exist; chmod a dir instead
+		if d, ok := pick(r, dirs); ok {
+			_ = os.Chmod(d, 0o700)
+			return "chmod " + d
+		}
 	case 23: // rarely: the whole prefix removed, maybe recreated (opaque)
 		if prefix != "" && r.IntN(4) == 0 {
 			_ = os.RemoveAll(root)
@@ -252,20 +266,29 @@ func randomEdit(r *rand.Rand, merged, prefix string) string {
 }
 
 // hasRedirect reports whether a directory under dir (outside .git, which ingest never
-// reads) carries an overlay redirect xattr. Redirects on metacopy files are followed,
-// so they do not count.
+// reads) carries an overlay redirect xattr: a renamed directory.
 func hasRedirect(dir string) bool {
+	return anyUpper(dir, func(d fs.DirEntry, a ovlAttrs) bool { return d.IsDir() && a.redirect })
+}
+
+// hasMetacopy reports whether a file under dir is a metadata-only copy-up.
+func hasMetacopy(dir string) bool {
+	return anyUpper(dir, func(d fs.DirEntry, a ovlAttrs) bool { return d.Type().IsRegular() && a.metacopy })
+}
+
+// anyUpper reports whether an entry under dir (outside .git) and its overlay xattrs
+// match.
+func anyUpper(dir string, match func(fs.DirEntry, ovlAttrs) bool) bool {
 	found := false
 	_ = filepath.WalkDir(dir, func(p string, d fs.DirEntry, err error) error {
 		switch {
-		case err != nil:
+		case err != nil || found:
 			return nil
 		case d.Name() == ".git" && d.IsDir():
 			return filepath.SkipDir
-		case d.IsDir():
-			if a, err := overlayAttrs(p); err == nil && a.redirect {
-				found = true
-			}
+		}
+		if a, err := overlayAttrs(p); err == nil && match(d, a) {
+			found = true
 		}
 		return nil
 	})
@@ -303,8 +326,20 @@ func TestUpperEqualsMergedIngest(t *testing.T) {
 		}
 	}
 	t.Logf("outcomes over %d iterations: %v", iterations, outcomes)
-	if iterations >= 15 && outcomes["changed"] == 0 {
+	changed, redirected := 0, 0
+	for k, n := range outcomes {
+		if strings.HasPrefix(k, "changed") {
+			changed += n
+		}
+		if strings.Contains(k, "redirected dirs") {
+			redirected += n
+		}
+	}
+	if iterations >= 15 && changed == 0 {
 		t.Fatal("no iteration produced a root different from its base: the edits are not reaching the upper")
+	}
+	if iterations >= 120 && redirected == 0 && kernelViews(t) {
+		t.Fatal("no iteration renamed a directory under redirect_dir: the property does not cover redirects")
 	}
 }
 
@@ -315,9 +350,23 @@ func overlayIteration(t *testing.T, s *casstore.Store, seed uint64) string {
 	r := rand.New(rand.NewPCG(seed, seed^0x9e3779b97f4a7c15))
 	opts := Options{LunarStrict: r.IntN(3) == 0}
 	prefix := []string{"", "app", "srv/api"}[r.IntN(3)]
-	mountExtra := ""
-	if r.IntN(4) == 0 {
-		mountExtra = "metacopy=on,redirect_dir=on" // be correct when someone enables them
+	// How the base is layered: from a checkout, plain or with metacopy and
+	// redirect_dir (be correct when someone enables them), or, where the kernel can,
+	// as the snapshotter layers a kernel view: nested (the view's own overlay as a
+	// plain lower layer) or direct (the EROFS image itself as lower layer, the object
+	// directory as data-only layer, metacopy=on,redirect_dir=on: chmod leaves
+	// metadata-only copy-ups and directory renames leave redirect xattrs).
+	layering := "checkout"
+	switch k := r.IntN(8); {
+	case k < 2:
+		layering = "checkout, metacopy=on,redirect_dir=on"
+	case k < 4:
+		layering = "kernel view, nested"
+	case k < 7:
+		layering = "kernel view, direct"
+	}
+	if strings.HasPrefix(layering, "kernel view") && !kernelViews(t) {
+		layering = "checkout"
 	}
 	tmp := t.TempDir()
 
@@ -340,25 +389,29 @@ func overlayIteration(t *testing.T, s *casstore.Store, seed uint64) string {
 			writeFile(t, filepath.Join(image, "srv", "other", "conf"), "x=1\n", 0o644)
 		}
 	}
+	opts.Lowers = []string{image}
 	lower := filepath.Join(tmp, "lower") // the fork: the base tree placed at the prefix
-	// Half the cases (where the kernel can) take the fork from a kernel view, as the
-	// snapshotter does, the other half from a checkout.
-	kernelView := mountExtra == "" && r.IntN(2) == 0 && kernelViews(t)
-	if kernelView {
-		mountExtra = "(lower: kernel view)"
+	lowers := []string{lower, image}
+	overlayOpts := ""
+	switch layering {
+	case "kernel view, nested":
 		mkdirs(t, lower)
-		mountKernelView(t, s, base, prefix, lower)
-	} else {
+		mountKernelView(t, s, base, prefix, lower, false)
+	case "kernel view, direct":
+		mkdirs(t, lower)
+		data := mountKernelView(t, s, base, prefix, lower, true)
+		lowers[len(lowers)-1] += "::" + data
+		overlayOpts = "metacopy=on,redirect_dir=on"
+	default:
 		mkdirs(t, filepath.Dir(filepath.Join(lower, prefix)))
 		checkout(t, s, base, filepath.Join(lower, prefix))
+		if layering != "checkout" {
+			overlayOpts = "metacopy=on,redirect_dir=on"
+		}
 	}
 	upper, work, merged := filepath.Join(tmp, "upper"), filepath.Join(tmp, "work"), filepath.Join(tmp, "merged")
 	mkdirs(t, upper, work, merged)
-	overlayOpts := mountExtra
-	if kernelView {
-		overlayOpts = ""
-	}
-	if err := mountOverlay(t, merged, []string{image, lower}, upper, work, overlayOpts); err != nil {
+	if err := mountOverlay(t, merged, lowers, upper, work, overlayOpts); err != nil {
 		t.Fatal(err)
 	}
 
@@ -368,7 +421,7 @@ func overlayIteration(t *testing.T, s *casstore.Store, seed uint64) string {
 	}
 	failf := func(format string, args ...any) {
 		t.Helper()
-		t.Fatalf("prefix %q, strict=%v, mount %q\nedits:\n  %s\n%s", prefix, opts.LunarStrict, mountExtra,
+		t.Fatalf("prefix %q, strict=%v, layering %q\nedits:\n  %s\n%s", prefix, opts.LunarStrict, layering,
 			strings.Join(log, "\n  "), fmt.Sprintf(format, args...))
 	}
 
@@ -384,11 +437,6 @@ func overlayIteration(t *testing.T, s *casstore.Store, seed uint64) string {
 	got, err := Upper(t.Context(), s, base, upper, prefix, opts)
 
 	switch {
-	case errors.Is(err, ErrRedirect):
-		if mountExtra == "" || kernelView || !hasRedirect(filepath.Join(upper, prefix)) {
-			failf("Upper: %v, but the upper holds no redirect", err)
-		}
-		return "redirect"
 	case wantErr != nil:
 		if !errors.Is(wantErr, ErrNameCollision) || !errors.Is(err, ErrNameCollision) {
 			failf("Dir(merged) err = %v, Upper err = %v; want both ErrNameCollision", wantErr, err)
@@ -396,18 +444,20 @@ func overlayIteration(t *testing.T, s *casstore.Store, seed uint64) string {
 		return "collision"
 	case err != nil:
 		failf("Upper: %v", err)
-	case mountExtra != "" && !kernelView && hasRedirect(filepath.Join(upper, prefix)):
-		failf("the upper holds a redirect xattr but Upper did not refuse it")
 	case got != want:
 		failf("Upper = %s, Dir(merged) = %s\n%s", got, want, diffListings(listing(t, s, want), listing(t, s, got)))
 	}
 	if got == base {
 		return "unchanged"
 	}
-	if kernelView {
-		return "changed (kernel view)"
+	what := "changed (" + layering
+	if hasRedirect(filepath.Join(upper, prefix)) {
+		what += "; redirected dirs"
 	}
-	return "changed"
+	if hasMetacopy(filepath.Join(upper, prefix)) {
+		what += "; metacopy files"
+	}
+	return what + ")"
 }
 
 var (
@@ -433,14 +483,19 @@ func kernelViews(t testing.TB) bool {
 }
 
 // mountKernelView mounts the kernel view of root (at prefix, owned by 0:0) at dir
-// until the test ends.
-func mountKernelView(t testing.TB, s *casstore.Store, root casstore.Hash, prefix, dir string) {
+// until the test ends, or with imageOnly its image alone, and returns the directory
+// the image's redirects point into.
+func mountKernelView(t testing.TB, s *casstore.Store, root casstore.Hash, prefix, dir string, imageOnly bool) string {
 	t.Helper()
 	h, err := kview.NewHost(s, filepath.Join(t.TempDir(), "images"))
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := h.Mount(t.Context(), dir, kview.Spec{Root: root, Prefix: prefix}); err != nil {
+	mount := h.Mount
+	if imageOnly {
+		mount = h.MountImage
+	}
+	if err := mount(t.Context(), dir, kview.Spec{Root: root, Prefix: prefix}); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() {
@@ -448,4 +503,5 @@ func mountKernelView(t testing.TB, s *casstore.Store, root casstore.Hash, prefix
 			t.Errorf("unmount kernel view: %v", err)
 		}
 	})
+	return h.DataDir()
 }

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io/fs"
 	"os"
+	"slices"
 	"strings"
 	"syscall"
 
@@ -26,11 +27,14 @@ import (
 // whatever the size of the base. Overlay semantics are those of Linux overlayfs: a
 // whiteout (character device 0/0, or a zero-size file with an overlay.whiteout xattr)
 // deletes, an opaque directory (overlay.opaque="y") replaces, a plain directory merges
-// over a base directory; a file with overlay.metacopy keeps the content of its origin
-// in the base (the same path, or the one its overlay.redirect names) with the upper's
-// mode; FIFOs, sockets and devices hide the base entry and add nothing; symlinks are
-// recorded (or, with LunarStrict, hide the base entry). A directory with
-// overlay.redirect (redirect_dir) is an error wrapping ErrRedirect. If the prefix, or one of its
+// over its lower directory; a directory with overlay.redirect (redirect_dir: a renamed
+// directory) merges over the base directory its redirect names, resolved as the kernel
+// does (redirect.go), and one whose redirect leaves the base tree is an error wrapping
+// ErrRedirect; a file with overlay.metacopy keeps the content of its origin (the same
+// name in its directory's lower directory, or the one its overlay.redirect names) with
+// the upper's mode, found in the base or else in Options.Lowers; FIFOs, sockets and
+// devices hide the base entry and add nothing; symlinks are recorded (or, with
+// LunarStrict, hide the base entry). If the prefix, or one of its
 // ancestors, was deleted or replaced by a non-directory, the result is the empty tree.
 //
 // Names follow Dir's rules (".git" skipped, lossy UTF-8, collisions are errors), so for
@@ -59,7 +63,7 @@ func UpperStats(ctx context.Context, store *casstore.Store, base casstore.Hash, 
 	}
 	h, st, err := build(ctx, store, opts, func(b *builder) (*dirNode, error) {
 		b.base, b.prefix = base, prefix
-		return b.upperPrefix(ctx, base, root, prefix)
+		return b.upperPrefix(ctx, root, prefix)
 	})
 	if err != nil {
 		return casstore.Hash{}, Stats{}, fmt.Errorf("commit %s over %s: %w", upperDir, base.Short(), err)
@@ -68,25 +72,35 @@ func UpperStats(ctx context.Context, store *casstore.Store, base casstore.Hash, 
 }
 
 // upperPrefix finds what became of the prefix directory in the upper and merges it.
-func (b *builder) upperPrefix(ctx context.Context, base casstore.Hash, root, prefix string) (*dirNode, error) {
-	baseTree, err := b.store.ReadTree(base)
-	if err != nil {
-		return nil, fmt.Errorf("read base root: %w", err)
-	}
+// The lower directory of each directory on the way follows overlayfs's lookup
+// (redirect.go); the prefix directory's must lie in the base tree.
+func (b *builder) upperPrefix(ctx context.Context, root, prefix string) (*dirNode, error) {
 	path := root
-	opaque := false
+	// The kernel never treats the upper's root as opaque or redirected, so its xattrs
+	// are not read: its lower is the layer root.
+	lower := lowerRef{ok: true}
 	if prefix != "" {
-		for _, comp := range strings.Split(prefix, "/") {
+		comps := strings.Split(prefix, "/")
+		for i, comp := range comps {
 			path = childPath(path, comp)
 			info, err := os.Lstat(path)
 			switch {
 			case errors.Is(err, fs.ErrNotExist):
-				if opaque {
+				if !lower.ok {
 					// An opaque ancestor hides the base, and the upper has no prefix dir.
 					return &dirNode{path: path}, nil
 				}
-				// Nothing changed under the prefix: the base, as it was.
-				return baseNode(path, baseTree), nil
+				// Nothing changed under the prefix: the merged prefix is its lower
+				// directory as it is (the base itself unless a redirect moved it).
+				l, err := b.resolve(path, lowerRef{ok: true, path: append(slices.Clip(lower.path), comps[i:]...)})
+				if err != nil {
+					return nil, err
+				}
+				t, err := b.lowerTree(path, l)
+				if err != nil {
+					return nil, err
+				}
+				return baseNode(path, t), nil
 			case err != nil:
 				return nil, fmt.Errorf("stat %s: %w", path, err)
 			case !info.IsDir():
@@ -97,17 +111,28 @@ func (b *builder) upperPrefix(ctx context.Context, base casstore.Hash, root, pre
 			if err != nil {
 				return nil, err
 			}
-			if a.redirect {
-				return nil, fmt.Errorf("%s: %w", path, ErrRedirect)
+			if lower, err = lowerPath(path, comp, lower, a); err != nil {
+				return nil, err
 			}
-			opaque = opaque || a.opaque
 		}
 	}
-	// The kernel never treats the upper's root as opaque, so its xattrs are not read.
-	if opaque {
-		baseTree = nil
+	lower, err := b.resolve(path, lower)
+	if err != nil {
+		return nil, err
 	}
-	return b.mergeDir(path, baseTree)
+	return b.mergeDir(path, lower)
+}
+
+// lowerTree reads the base tree of a lower directory (nil if the base has none there).
+func (b *builder) lowerTree(path string, l lowerRef) (casstore.Tree, error) {
+	if !l.hasTree {
+		return nil, nil
+	}
+	t, err := b.store.ReadTree(l.tree)
+	if err != nil {
+		return nil, fmt.Errorf("read base tree for %s: %w", path, err)
+	}
+	return t, nil
 }
 
 // baseNode is a directory taken from the base unchanged.
@@ -119,11 +144,15 @@ func baseNode(path string, t casstore.Tree) *dirNode {
 	return n
 }
 
-// mergeDir builds the merged view of one upper directory over base (nil when there is
-// no base directory or it is hidden). Base entries whose name the upper does not hold
-// are reused by hash; the rest follows the upper.
-func (b *builder) mergeDir(path string, base casstore.Tree) (*dirNode, error) {
+// mergeDir builds the merged view of one upper directory over its lower directory
+// (whose base tree, if any, is read here). Base entries whose name the upper does not
+// hold are reused by hash; the rest follows the upper.
+func (b *builder) mergeDir(path string, lower lowerRef) (*dirNode, error) {
 	if err := b.ctx.Err(); err != nil {
+		return nil, err
+	}
+	base, err := b.lowerTree(path, lower)
+	if err != nil {
 		return nil, err
 	}
 	ents, err := readDir(path)
@@ -159,14 +188,11 @@ func (b *builder) mergeDir(path string, base casstore.Tree) (*dirNode, error) {
 			if err != nil {
 				return nil, err
 			}
-			if a.redirect {
-				return nil, fmt.Errorf("%s: %w", p, ErrRedirect)
+			l, err := b.dirLower(p, name, lower, a)
+			if err != nil {
+				return nil, err
 			}
-			c := child{name: lossyName(name), raw: name, mode: casstore.ModeDir, walk: true}
-			if be, ok := base.Lookup(name); ok && be.Mode.IsDir() && !a.opaque {
-				c.hasBase, c.base = true, be.Hash
-			}
-			n.children = append(n.children, c)
+			n.children = append(n.children, child{name: lossyName(name), raw: name, mode: casstore.ModeDir, walk: true, lower: l})
 		case mode.IsRegular():
 			a, err := overlayAttrs(p)
 			if err != nil {
@@ -178,9 +204,10 @@ func (b *builder) mergeDir(path string, base casstore.Tree) (*dirNode, error) {
 			c := child{name: lossyName(name), raw: name, mode: execMode(uint32(mode.Perm()))}
 			if a.metacopy {
 				// A redirect on a file only matters while its data is still below.
-				if c.hash, err = b.metacopyData(p, name, base, a); err != nil {
+				if c.hash, c.src, err = b.metacopyData(p, name, lower, base, a); err != nil {
 					return nil, err
 				}
+				c.file, c.size = c.src != "", info.Size()
 			} else {
 				c.file, c.size = true, info.Size()
 			}
@@ -215,51 +242,67 @@ func (b *builder) mergeDir(path string, base casstore.Tree) (*dirNode, error) {
 		if !c.walk {
 			continue
 		}
-		var sub casstore.Tree
-		if c.hasBase {
-			if sub, err = b.store.ReadTree(c.base); err != nil {
-				return nil, fmt.Errorf("read base tree for %s: %w", childPath(path, c.raw), err)
-			}
-		}
-		if c.dir, err = b.mergeDir(childPath(path, c.raw), sub); err != nil {
+		if c.dir, err = b.mergeDir(childPath(path, c.raw), c.lower); err != nil {
 			return nil, err
 		}
 	}
 	return n, nil
 }
 
-// metacopyData finds the content of a metadata-only copy-up in the base: the file of
-// the same name in the base directory, or the one its redirect names (overlayfs sets
-// one when such a file is renamed or hard-linked).
-func (b *builder) metacopyData(path, name string, dir casstore.Tree, a ovlAttrs) (casstore.Hash, error) {
-	lookup := func() (casstore.Entry, bool, error) {
-		if !a.redirect {
-			e, ok := dir.Lookup(name)
-			return e, ok, nil
+// metacopyData finds the content of a metadata-only copy-up: the base file at its
+// origin, the file of the same name in the lower directory or the one its redirect
+// names (overlayfs sets one when such a file is renamed or hard-linked). It returns
+// the base object, or else the path of the origin in Options.Lowers (the image's own
+// layers), whose data is stored as a new file.
+func (b *builder) metacopyData(path, name string, lower lowerRef, dir casstore.Tree, a ovlAttrs) (casstore.Hash, string, error) {
+	var origin []string // layer path of the origin; nil: none
+	sameDir := true     // the origin is an entry of the lower directory, dir
+	switch {
+	case a.redirect:
+		r, err := parseRedirect(path, a.target)
+		if err != nil {
+			return casstore.Hash{}, "", err
 		}
-		if !strings.HasPrefix(a.target, "/") { // relative: same lower directory
-			e, ok := dir.Lookup(a.target)
-			return e, ok, nil
+		if r.abs {
+			origin, sameDir = r.comps, false
+		} else if lower.ok {
+			origin, name = append(slices.Clip(lower.path), r.comps[0]), r.comps[0]
 		}
-		rel, ok := strings.CutPrefix(a.target, "/"+b.prefix)
-		if b.prefix == "" {
-			rel, ok = a.target, true
-		}
-		if !ok || (rel != "" && rel[0] != '/') {
-			return casstore.Entry{}, false, fmt.Errorf("metadata-only copy-up %s takes its data from %q, outside the tree at %q: %w",
-				path, a.target, "/"+b.prefix, errdefs.ErrFailedPrecondition)
-		}
-		return b.baseLookup(strings.Trim(rel, "/"))
+	case lower.ok:
+		origin = append(slices.Clip(lower.path), name)
 	}
-	e, ok, err := lookup()
+	if origin == nil {
+		return casstore.Hash{}, "", errNoOrigin(path)
+	}
+	var e casstore.Entry
+	var found bool
+	_, inBase := b.inBase(origin)
+	switch {
+	case inBase && sameDir:
+		e, found = dir.Lookup(name)
+	case inBase:
+		var err error
+		if e, found, err = b.baseAt(path, "", origin); err != nil {
+			return casstore.Hash{}, "", err
+		}
+	case len(b.opts.Lowers) == 0:
+		return casstore.Hash{}, "", fmt.Errorf("metadata-only copy-up %s takes its data from %q, outside the tree at %q, and no image layers were given: %w",
+			path, "/"+strings.Join(origin, "/"), "/"+b.prefix, errdefs.ErrFailedPrecondition)
+	}
+	switch {
+	case found && (e.Mode == casstore.ModeFile || e.Mode == casstore.ModeExec):
+		return e.Hash, "", nil
+	case found: // a directory or symlink of the base hides any origin below
+		return casstore.Hash{}, "", errNoOrigin(path)
+	}
+	src, err := b.lowerFile(origin)
 	if err != nil {
-		return casstore.Hash{}, err
+		return casstore.Hash{}, "", err
 	}
-	if !ok || (e.Mode != casstore.ModeFile && e.Mode != casstore.ModeExec) {
-		return casstore.Hash{}, fmt.Errorf("%s is a metadata-only copy-up but the base has no regular file at its origin: %w",
-			path, errdefs.ErrFailedPrecondition)
+	if src == "" {
+		return casstore.Hash{}, "", errNoOrigin(path)
 	}
-	return e.Hash, nil
+	return casstore.Hash{}, src, nil
 }
 
 // baseLookup finds the entry at a slash-separated path in the base root, reading only

@@ -90,6 +90,38 @@ type upperCase struct {
 	// kernel: mount options for checking the expectation against a real overlay that
 	// uses the upper as its top (read-only) layer; "skip" where the kernel cannot say.
 	kernel string
+	// image, if set, fills an image layer below the base (Options.Lowers).
+	image func(t testing.TB, d string)
+}
+
+// redirectOpts are the overlay options under which renamed directories and
+// metadata-only copy-ups are followed.
+const redirectOpts = "metacopy=on,redirect_dir=follow"
+
+func mv(t testing.TB, from, to string) {
+	t.Helper()
+	mkdirs(t, filepath.Dir(to))
+	if err := os.Rename(from, to); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func chmod(t testing.TB, path string, perm os.FileMode) {
+	t.Helper()
+	if err := os.Chmod(path, perm); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// metacopyFile makes what a metadata-only copy-up leaves: a sparse file of the
+// origin's size with the metacopy xattr.
+func metacopyFile(t testing.TB, path string, size int, perm os.FileMode) {
+	t.Helper()
+	writeFile(t, path, "", perm)
+	if err := os.Truncate(path, int64(size)); err != nil {
+		t.Fatal(err)
+	}
+	setXattr(t, path, "trusted.overlay.metacopy", "")
 }
 
 func upperCases() []upperCase {
@@ -224,11 +256,161 @@ func upperCases() []upperCase {
 			writeFile(t, filepath.Join(p, "src"), "", 0o644)
 			setXattr(t, filepath.Join(p, "src"), "trusted.overlay.metacopy", "")
 		}, errText: "metadata-only copy-up"},
-		{name: "redirect dir", kernel: "skip", upper: func(t testing.TB, u, p string) {
-			mkdirs(t, filepath.Join(p, "src2"))
+		// Renamed directories (redirect_dir=on): the old code refused every one of these
+		// with ErrRedirect.
+		{name: "redirect dir (relative)", kernel: redirectOpts, upper: func(t testing.TB, u, p string) {
+			writeFile(t, filepath.Join(p, "src2", "added.go"), "package main // added\n", 0o644)
 			setXattr(t, filepath.Join(p, "src2"), "trusted.overlay.redirect", "src")
 			whiteout(t, filepath.Join(p, "src"))
-		}, wantErr: ErrRedirect, errText: "redirect_dir is not supported"},
+		}, want: func(t testing.TB, w string) {
+			mv(t, filepath.Join(w, "src"), filepath.Join(w, "src2"))
+			writeFile(t, filepath.Join(w, "src2", "added.go"), "package main // added\n", 0o644)
+		}},
+		{name: "redirect dir (absolute) into another dir", kernel: redirectOpts, upper: func(t testing.TB, u, p string) {
+			mkdirs(t, filepath.Join(p, "docs", "util2"))
+			setXattr(t, filepath.Join(p, "docs", "util2"), "trusted.overlay.redirect", "/app/src/util")
+			whiteout(t, filepath.Join(p, "src", "util"))
+			whiteout(t, filepath.Join(p, "docs", "util2", "u.go"))
+		}, want: func(t testing.TB, w string) {
+			mv(t, filepath.Join(w, "src", "util"), filepath.Join(w, "docs", "util2"))
+			rm(t, filepath.Join(w, "docs", "util2", "u.go"))
+		}},
+		{name: "redirect dir (absolute at the root prefix)", prefix: "-", kernel: redirectOpts, upper: func(t testing.TB, u, p string) {
+			mkdirs(t, filepath.Join(u, "d2"))
+			setXattr(t, filepath.Join(u, "d2"), "trusted.overlay.redirect", "/src/util")
+			whiteout(t, filepath.Join(u, "src", "util"))
+		}, want: func(t testing.TB, w string) { mv(t, filepath.Join(w, "src", "util"), filepath.Join(w, "d2")) }},
+		{name: "nested redirects resolve against the parent's lower", kernel: redirectOpts, upper: func(t testing.TB, u, p string) {
+			// mv src src2; mv src2/util src2/u2
+			mkdirs(t, filepath.Join(p, "src2", "u2"))
+			setXattr(t, filepath.Join(p, "src2"), "trusted.overlay.redirect", "src")
+			setXattr(t, filepath.Join(p, "src2", "u2"), "trusted.overlay.redirect", "util")
+			whiteout(t, filepath.Join(p, "src"))
+			whiteout(t, filepath.Join(p, "src2", "util"))
+		}, want: func(t testing.TB, w string) {
+			mv(t, filepath.Join(w, "src"), filepath.Join(w, "src2"))
+			mv(t, filepath.Join(w, "src2", "util"), filepath.Join(w, "src2", "u2"))
+		}},
+		{name: "plain dir inside a redirected dir merges with the redirected lower", kernel: redirectOpts, upper: func(t testing.TB, u, p string) {
+			writeFile(t, filepath.Join(p, "s", "util", "more.go"), "package util // more\n", 0o644)
+			setXattr(t, filepath.Join(p, "s"), "trusted.overlay.redirect", "/app/src")
+			whiteout(t, filepath.Join(p, "src"))
+		}, want: func(t testing.TB, w string) {
+			mv(t, filepath.Join(w, "src"), filepath.Join(w, "s"))
+			writeFile(t, filepath.Join(w, "s", "util", "more.go"), "package util // more\n", 0o644)
+		}},
+		{name: "metacopy file inside a redirected dir", kernel: redirectOpts, upper: func(t testing.TB, u, p string) {
+			// mv src src2; chmod 755 src2/main.go
+			f := filepath.Join(p, "src2", "main.go")
+			metacopyFile(t, f, len("package main\n"), 0o755)
+			setXattr(t, filepath.Join(p, "src2"), "trusted.overlay.redirect", "src")
+			whiteout(t, filepath.Join(p, "src"))
+		}, want: func(t testing.TB, w string) {
+			mv(t, filepath.Join(w, "src"), filepath.Join(w, "src2"))
+			chmod(t, filepath.Join(w, "src2", "main.go"), 0o755)
+		}},
+		{name: "metacopy file with a relative redirect inside a redirected dir", kernel: redirectOpts, upper: func(t testing.TB, u, p string) {
+			// mv src src2; mv src2/main.go src2/m.go (metadata only)
+			f := filepath.Join(p, "src2", "m.go")
+			metacopyFile(t, f, len("package main\n"), 0o644)
+			setXattr(t, f, "trusted.overlay.redirect", "main.go")
+			setXattr(t, filepath.Join(p, "src2"), "trusted.overlay.redirect", "src")
+			whiteout(t, filepath.Join(p, "src"))
+			whiteout(t, filepath.Join(p, "src2", "main.go"))
+		}, want: func(t testing.TB, w string) {
+			mv(t, filepath.Join(w, "src"), filepath.Join(w, "src2"))
+			mv(t, filepath.Join(w, "src2", "main.go"), filepath.Join(w, "src2", "m.go"))
+		}},
+		{name: "absolute redirect below an opaque dir", kernel: redirectOpts, upper: func(t testing.TB, u, p string) {
+			// rm -rf docs; mkdir docs; echo > docs/new.md; mv src docs/s
+			writeFile(t, filepath.Join(p, "docs", "new.md"), "new\n", 0o644)
+			setXattr(t, filepath.Join(p, "docs"), "trusted.overlay.opaque", "y")
+			mkdirs(t, filepath.Join(p, "docs", "s"))
+			setXattr(t, filepath.Join(p, "docs", "s"), "trusted.overlay.redirect", "/app/src")
+			whiteout(t, filepath.Join(p, "src"))
+		}, want: func(t testing.TB, w string) {
+			rm(t, filepath.Join(w, "docs"))
+			writeFile(t, filepath.Join(w, "docs", "new.md"), "new\n", 0o644)
+			mv(t, filepath.Join(w, "src"), filepath.Join(w, "docs", "s"))
+		}},
+		{name: "relative redirect below an opaque dir has no lower", kernel: redirectOpts, upper: func(t testing.TB, u, p string) {
+			writeFile(t, filepath.Join(p, "docs", "x", "only.md"), "only\n", 0o644)
+			setXattr(t, filepath.Join(p, "docs"), "trusted.overlay.opaque", "y")
+			setXattr(t, filepath.Join(p, "docs", "x"), "trusted.overlay.redirect", "a.md")
+		}, want: func(t testing.TB, w string) {
+			rm(t, filepath.Join(w, "docs"))
+			writeFile(t, filepath.Join(w, "docs", "x", "only.md"), "only\n", 0o644)
+		}},
+		{name: "opaque wins over a redirect", kernel: redirectOpts, upper: func(t testing.TB, u, p string) {
+			writeFile(t, filepath.Join(p, "src2", "only.go"), "package only\n", 0o644)
+			setXattr(t, filepath.Join(p, "src2"), "trusted.overlay.redirect", "src")
+			setXattr(t, filepath.Join(p, "src2"), "trusted.overlay.opaque", "y")
+		}, want: func(t testing.TB, w string) {
+			writeFile(t, filepath.Join(w, "src2", "only.go"), "package only\n", 0o644)
+		}},
+		{name: "redirect to what the base lacks or holds as a file", kernel: redirectOpts, upper: func(t testing.TB, u, p string) {
+			writeFile(t, filepath.Join(p, "n1", "f"), "f\n", 0o644)
+			setXattr(t, filepath.Join(p, "n1"), "trusted.overlay.redirect", "never-existed")
+			writeFile(t, filepath.Join(p, "n2", "g"), "g\n", 0o644)
+			setXattr(t, filepath.Join(p, "n2"), "trusted.overlay.redirect", "/app/README")
+		}, want: func(t testing.TB, w string) {
+			writeFile(t, filepath.Join(w, "n1", "f"), "f\n", 0o644)
+			writeFile(t, filepath.Join(w, "n2", "g"), "g\n", 0o644)
+		}},
+		{name: "the prefix itself redirected", prefix: "srv/api", kernel: redirectOpts, upper: func(t testing.TB, u, p string) {
+			// mv /srv/api /srv/old; mv /srv/old/docs /srv/api
+			mkdirs(t, filepath.Join(u, "srv", "old"), p)
+			setXattr(t, filepath.Join(u, "srv", "old"), "trusted.overlay.redirect", "api")
+			setXattr(t, p, "trusted.overlay.redirect", "/srv/api/docs")
+		}, want: func(t testing.TB, w string) {
+			clear(t, w)
+			writeFile(t, filepath.Join(w, "a.md"), "# a\n", 0o644)
+			writeFile(t, filepath.Join(w, "b.md"), "# b\n", 0o644)
+		}},
+		{name: "the prefix's ancestor redirected and the prefix untouched", prefix: "srv/api", kernel: redirectOpts, upper: func(t testing.TB, u, p string) {
+			// The prefix's lower is then /srv/api/api, which the base lacks.
+			mkdirs(t, filepath.Join(u, "srv"))
+			setXattr(t, filepath.Join(u, "srv"), "trusted.overlay.redirect", "/srv/api")
+		}, wantEmpty: true},
+		{name: "the prefix's ancestor redirected outside the tree", prefix: "srv/api", kernel: "skip", upper: func(t testing.TB, u, p string) {
+			mkdirs(t, filepath.Join(u, "srv"))
+			setXattr(t, filepath.Join(u, "srv"), "trusted.overlay.redirect", "/opt")
+		}, wantErr: ErrRedirect, errText: "outside the tree"},
+		{name: "redirect dir outside the tree", kernel: "skip", upper: func(t testing.TB, u, p string) {
+			mkdirs(t, filepath.Join(p, "etc2"))
+			setXattr(t, filepath.Join(p, "etc2"), "trusted.overlay.redirect", "/etc")
+		}, wantErr: ErrRedirect, errText: "outside the tree"},
+		{name: "redirect escaping with dot-dot", kernel: "skip", upper: func(t testing.TB, u, p string) {
+			mkdirs(t, filepath.Join(p, "x"))
+			setXattr(t, filepath.Join(p, "x"), "trusted.overlay.redirect", "/app/../etc")
+		}, wantErr: ErrRedirect, errText: "not a clean path"},
+		{name: "relative redirect naming a path", kernel: "skip", upper: func(t testing.TB, u, p string) {
+			mkdirs(t, filepath.Join(p, "x"))
+			setXattr(t, filepath.Join(p, "x"), "trusted.overlay.redirect", "src/util")
+		}, wantErr: ErrRedirect, errText: "names a path"},
+		{name: "empty component in a redirect", kernel: "skip", upper: func(t testing.TB, u, p string) {
+			mkdirs(t, filepath.Join(p, "x"))
+			setXattr(t, filepath.Join(p, "x"), "trusted.overlay.redirect", "/app//src")
+		}, wantErr: ErrRedirect, errText: "not a clean path"},
+		{name: "metacopy of an image file under the prefix takes the image's data", kernel: redirectOpts, image: func(t testing.TB, d string) {
+			writeFile(t, filepath.Join(d, "app", "package.json"), "{}\n", 0o644)
+			writeFile(t, filepath.Join(d, "etc", "hosts"), "127.0.0.1 localhost\n", 0o644)
+		}, upper: func(t testing.TB, u, p string) {
+			metacopyFile(t, filepath.Join(p, "package.json"), len("{}\n"), 0o755) // chmod +x
+			f := filepath.Join(p, "src", "hosts")                                 // mv /etc/hosts /app/src/hosts
+			metacopyFile(t, f, len("127.0.0.1 localhost\n"), 0o644)
+			setXattr(t, f, "trusted.overlay.redirect", "/etc/hosts")
+		}, want: func(t testing.TB, w string) {
+			writeFile(t, filepath.Join(w, "package.json"), "{}\n", 0o755)
+			writeFile(t, filepath.Join(w, "src", "hosts"), "127.0.0.1 localhost\n", 0o644)
+		}},
+		{name: "metacopy whose image origin is whited out", kernel: "skip", image: func(t testing.TB, d string) {
+			whiteout(t, filepath.Join(d, "etc", "hosts"))
+		}, upper: func(t testing.TB, u, p string) {
+			f := filepath.Join(p, "hosts")
+			metacopyFile(t, f, 3, 0o644)
+			setXattr(t, f, "trusted.overlay.redirect", "/etc/hosts")
+		}, errText: "no regular file at its origin"},
 		{name: "metacopy file with an absolute redirect", kernel: "metacopy=on,redirect_dir=follow", upper: func(t testing.TB, u, p string) {
 			f := filepath.Join(p, "src", "moved.sh") // renamed from app/run.sh while only its metadata was copied up
 			writeFile(t, f, "", 0o644)
@@ -378,6 +560,14 @@ func TestUpperRules(t *testing.T) {
 				whiteout(t, filepath.Join(u, "zz"))
 			}
 			c.upper(t, u, p)
+			var layers []string
+			if c.image != nil {
+				img := filepath.Join(tmp, "image")
+				mkdirs(t, img)
+				c.image(t, img)
+				layers = []string{img}
+				opts.Lowers = layers
+			}
 
 			before := objects(t, s)
 			got, err := Upper(t.Context(), s, base, u, prefix, opts)
@@ -427,7 +617,7 @@ func TestUpperRules(t *testing.T) {
 			checkout(t, s, base, filepath.Join(lower, prefix))
 			merged := filepath.Join(tmp, "merged")
 			mkdirs(t, merged)
-			if err := mountOverlay(t, merged, []string{u, lower}, "", "", c.kernel); err != nil {
+			if err := mountOverlay(t, merged, append([]string{u, lower}, layers...), "", "", c.kernel); err != nil {
 				t.Fatal(err)
 			}
 			mp := filepath.Join(merged, prefix)

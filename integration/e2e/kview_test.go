@@ -93,6 +93,9 @@ echo ok`, rounds, sum)
 		if time.Now().After(deadline) {
 			t.Fatalf("containers did not all start:\n%s", out)
 		}
+		if finished(&wg) {
+			t.Fatalf("every container ended before all ran:\noutputs %q\nerrors %v", outs, errs)
+		}
 		time.Sleep(200 * time.Millisecond)
 	}
 	views, err := kview.List(filepath.Join(s.Root, "views"))
@@ -140,4 +143,16 @@ echo ok`, rounds, sum)
 		t.Errorf("mounts left under the root: %v", left)
 	}
 	s.C.LeakCheck(t)
+}
+
+// finished reports whether wg is done (waiting at most 10 ms).
+func finished(wg *sync.WaitGroup) bool {
+	c := make(chan struct{})
+	go func() { wg.Wait(); close(c) }()
+	select {
+	case <-c:
+		return true
+	case <-time.After(10 * time.Millisecond):
+		return false
+	}
 }

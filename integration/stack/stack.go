@@ -99,6 +99,7 @@ type Stack struct {
 	C           *harness.Containerd
 	// MetricsURL is tidepoold's /metrics when Options.Metrics is set.
 	MetricsURL string
+	config     string // tidepoold's config file as Start wrote it
 }
 
 // Start starts tidepoold, then containerd configured to use it.
@@ -188,9 +189,14 @@ func Start(t testing.TB, opts Options) *Stack {
 	if mode := os.Getenv("TIDEPOOL_VIEWS_MODE"); mode != "" {
 		cfg += fmt.Sprintf("views.mode = %q\n", mode)
 	}
+	// TIDEPOOL_VIEWS_LAYERING runs them with views.layering direct or nested.
+	if l := os.Getenv("TIDEPOOL_VIEWS_LAYERING"); l != "" {
+		cfg += fmt.Sprintf("views.layering = %q\n", l)
+	}
 	if opts.TidepooldConfig != nil {
 		cfg += opts.TidepooldConfig(s)
 	}
+	s.config = cfg
 	cfgPath := filepath.Join(dir, "tidepoold.toml")
 	if err := os.WriteFile(cfgPath, []byte(cfg), 0o644); err != nil {
 		t.Fatal(err)
@@ -223,6 +229,16 @@ func (s *Stack) RestartDaemon(t testing.TB) {
 	if err := s.Daemon.Restart(context.Background()); err != nil {
 		t.Fatalf("restart tidepoold: %v\n%s", err, s.Daemon.LogTail(40))
 	}
+}
+
+// RestartDaemonWith restarts tidepoold (SIGTERM) with top, top-level TOML keys such
+// as `views.layering = "nested"`, ahead of the config Start wrote.
+func (s *Stack) RestartDaemonWith(t testing.TB, top string) {
+	t.Helper()
+	if err := os.WriteFile(filepath.Join(s.Dir, "tidepoold.toml"), []byte(top+"\n"+s.config), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	s.RestartDaemon(t)
 }
 
 // Tidepool runs the CLI against the stack's root.
