@@ -32,6 +32,9 @@ import (
 type lateObjects struct {
 	mu      sync.Mutex
 	objects map[Hash][]byte
+	// entries are the objects of this process's committed journal writers
+	// (stream.go) that are not under their names yet.
+	entries map[Hash]journalEntry
 	running sync.WaitGroup
 
 	// The journals' index, read again when the journal directory changes.
@@ -100,15 +103,17 @@ func (s *Store) Materialize(h Hash) (bool, error) {
 		}
 		return true, nil
 	}
-	data, ok, err := s.journaledObject(h)
-	if err != nil || !ok {
-		return false, err
+	if e, ok := s.lateEntry(h); ok {
+		err := s.placeFromJournal(h, e)
+		if err == nil {
+			return true, nil
+		}
+		if !errors.Is(err, fs.ErrNotExist) {
+			return false, err
+		}
+		// Settled and removed meanwhile: look again below.
 	}
-	if err := s.placeObject(h, data); err != nil {
-		return false, err
-	}
-	log.L.WithField("object", h.String()).Debug("store: object written from a journal by its reader")
-	return true, nil
+	return s.journaledObject(h)
 }
 
 // placeObject writes data, known to hash to h and durable in a journal, under its
@@ -117,28 +122,62 @@ func (s *Store) placeObject(h Hash, data []byte) error {
 	return s.restoreObject(h, data, false)
 }
 
-// journaledObject looks for h in the store's journals.
-func (s *Store) journaledObject(h Hash) ([]byte, bool, error) {
+// addLateEntries makes objects of a committed journal (stream.go) readable before
+// they are under their names.
+func (s *Store) addLateEntries(entries map[Hash]journalEntry) {
+	l := &s.late
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.entries == nil {
+		l.entries = map[Hash]journalEntry{}
+	}
+	for h, e := range entries {
+		l.entries[h] = e
+	}
+}
+
+// dropLateEntries forgets journal entries whose objects are now under their names.
+func (s *Store) dropLateEntries(objects []Hash) {
+	l := &s.late
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for _, h := range objects {
+		delete(l.entries, h)
+	}
+}
+
+func (s *Store) lateEntry(h Hash) (journalEntry, bool) {
+	l := &s.late
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	e, ok := l.entries[h]
+	return e, ok
+}
+
+// journaledObject looks for h in the store's journals and writes it under its name
+// from there; it reports whether h is in place.
+func (s *Store) journaledObject(h Hash) (bool, error) {
 	for attempt := 0; attempt < 2; attempt++ {
 		e, ok, err := s.journalIndex(h)
 		if err != nil || !ok {
-			return nil, false, err
+			return false, err
 		}
-		data, err := readJournalEntry(e, h)
+		err = s.placeFromJournal(h, e)
 		if errors.Is(err, fs.ErrNotExist) {
 			// Settled and removed since the index was read: its objects are durable in
 			// place now, unless they were collected since.
 			if _, err := os.Lstat(s.Path(h)); err == nil {
-				return nil, false, nil
+				return true, nil
 			}
 			continue
 		}
 		if err != nil {
-			return nil, false, err
+			return false, err
 		}
-		return data, true, nil
+		log.L.WithField("object", h.String()).Debug("store: object written from a journal by its reader")
+		return true, nil
 	}
-	return nil, false, nil
+	return false, nil
 }
 
 // journalIndex finds h in the journals, reading their headers again if the journal
@@ -207,22 +246,4 @@ func indexJournal(p string, index map[Hash]journalEntry) error {
 		index[h] = journalEntry{path: p, off: off, size: int64(n)}
 		off += int64(n)
 	}
-}
-
-// readJournalEntry reads an object's bytes from a journal and checks them against
-// its name.
-func readJournalEntry(e journalEntry, h Hash) ([]byte, error) {
-	f, err := os.Open(e.path)
-	if err != nil {
-		return nil, err
-	}
-	defer f.Close()
-	data := make([]byte, e.size)
-	if _, err := f.ReadAt(data, e.off); err != nil {
-		return nil, fmt.Errorf("read object %s from journal %s: %w", h, e.path, err)
-	}
-	if got := Sum(data); got != h {
-		return nil, &CorruptError{Hash: h, Got: got, Path: e.path}
-	}
-	return data, nil
 }

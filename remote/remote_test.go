@@ -75,8 +75,23 @@ func pullKilledMidway(ctx context.Context, t *testing.T, srv *s3test.Server, r *
 	}
 	t.Logf("interrupted pull: %v (metrics %+v)", err, r.Metrics().Snapshot())
 	checkComplete(t, b) // every object present is whole
-	if ents, _ := os.ReadDir(filepath.Join(b.Root(), ".tidepool-tmp")); len(ents) != 0 {
-		t.Fatalf("temp files left behind: %d", len(ents))
+	b.Settle()           // what the pull committed is under its names, its journal gone
+	noLeftovers(t, b)
+}
+
+// noLeftovers fails if s holds temp files or journals.
+func noLeftovers(t *testing.T, s *casstore.Store) {
+	t.Helper()
+	tmp, err := s.TempFiles()
+	if err != nil {
+		t.Fatal(err)
+	}
+	js, err := s.Journals()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(tmp) != 0 || len(js) != 0 {
+		t.Fatalf("left behind: temp files %v, journals %v", tmp, js)
 	}
 }
 
@@ -86,6 +101,7 @@ func newStore(t *testing.T) *casstore.Store {
 	if err != nil {
 		t.Fatal(err)
 	}
+	t.Cleanup(s.Settle) // before the directory goes: pulls settle in the background
 	return s
 }
 
