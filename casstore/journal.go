@@ -81,7 +81,16 @@ func (s *Store) writeJournal(objects map[Hash][]byte) (string, error) {
 		os.Remove(f.Name())
 		return "", fmt.Errorf("sync journal directory: %w", err)
 	}
+	s.journalsChanged()
 	return f.Name(), nil
+}
+
+// journalsChanged tells readers in every process that a journal is complete: they
+// index the journals again when the journal directory's mtime moves (late.go), and a
+// journal's creation moved it before its entries were written.
+func (s *Store) journalsChanged() {
+	now := time.Now()
+	_ = os.Chtimes(s.journalDir(), now, now) // best effort: the index is read again on its next change
 }
 
 // Settling is deferred, as pool refills are: a journaled batch's objects are

@@ -240,6 +240,7 @@ func (j *JournalWriter) Commit() error {
 	if err := fsyncPath(j.s.journalDir()); err != nil {
 		return fail(fmt.Errorf("sync journal directory: %w", err))
 	}
+	j.s.journalsChanged()
 	j.s.addLateEntries(j.entries)
 	j.s.late.running.Add(1)
 	go j.publish(path, j.entries, j.order)

@@ -250,3 +250,39 @@ func TestJournalWriterKilled(t *testing.T) {
 		})
 	}
 }
+
+// TestJournalWriterSeenByOtherProcesses: a reader with a store of its own (another
+// process) that looked at the journals while a pull was still writing finds the
+// pull's objects once it committed, not the stale index of the unfinished journal.
+func TestJournalWriterSeenByOtherProcesses(t *testing.T) {
+	s := newStore(t)
+	other, err := Open(s.Root())
+	if err != nil {
+		t.Fatal(err)
+	}
+	release := holdLatePublication(t)
+	j, err := s.BeginJournal()
+	if err != nil {
+		t.Fatal(err)
+	}
+	first, second := []byte("written before the reader looked"), []byte("written after the reader looked")
+	if _, err := j.PutExpect(bytes.NewReader(first), Sum(first), int64(len(first))); err != nil {
+		t.Fatal(err)
+	}
+	if ok, err := other.Has(Sum(second)); ok || err != nil {
+		t.Fatalf("Has before the object was written: %v, %v", ok, err)
+	}
+	if err := j.PutBytesExpect(second, Sum(second)); err != nil {
+		t.Fatal(err)
+	}
+	if err := j.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	for _, b := range [][]byte{first, second} {
+		if got, err := other.ReadAll(Sum(b), 1<<20); err != nil || !bytes.Equal(got, b) {
+			t.Fatalf("other process reads %q: %q, %v", b, got, err)
+		}
+	}
+	release()
+	s.Settle()
+}

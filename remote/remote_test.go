@@ -457,14 +457,21 @@ func bigTree(t *testing.T, s *casstore.Store, n, size int) (string, casstore.Has
 	return dir, ingestDir(t, s, dir)
 }
 
-func TestPullInterrupted(t *testing.T) {
-	srv := s3test.Start(t)
-	ctx := ctxT(t)
-	a := newStore(t)
-	_, root := bigTree(t, a, 1500, 2000)
+// pushedTree starts a server and pushes a bigTree of n files to it from a store a.
+func pushedTree(t *testing.T, n, size int) (srv *s3test.Server, ctx context.Context, a *casstore.Store, root casstore.Hash) {
+	t.Helper()
+	srv = s3test.Start(t)
+	ctx = ctxT(t)
+	a = newStore(t)
+	_, root = bigTree(t, a, n, size)
 	if _, err := openRemote(t, srv, 16).Push(ctx, a, root, remote.PushOptions{}); err != nil {
 		t.Fatal(err)
 	}
+	return srv, ctx, a, root
+}
+
+func TestPullInterrupted(t *testing.T) {
+	srv, ctx, _, root := pushedTree(t, 1500, 2000)
 	b := newStore(t)
 	// The per-object path; pack_test.go interrupts a pack.
 	pullKilledMidway(ctx, t, srv, openRemoteNoPacks(t, srv, 2), b, root, 200)
@@ -613,13 +620,7 @@ func putRaw(t *testing.T, srv *s3test.Server, key string, data []byte) {
 // under its name (what the view's image reads); after settling, the journal is gone
 // and the store is LunarFS's layout alone. Both the pack and the per-object path.
 func TestPullReadableAtOnce(t *testing.T) {
-	srv := s3test.Start(t)
-	ctx := ctxT(t)
-	a := newStore(t)
-	_, root := bigTree(t, a, 1500, 3000)
-	if _, err := openRemote(t, srv, 16).Push(ctx, a, root, remote.PushOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	srv, ctx, a, root := pushedTree(t, 1500, 3000)
 	want := reachable(t, a, root)
 	for _, packs := range []bool{true, false} {
 		t.Run(fmt.Sprintf("packs=%v", packs), func(t *testing.T) {
@@ -667,13 +668,7 @@ func TestPullReadableAtOnce(t *testing.T) {
 // TestPullGCWhileSettling: collections with no grace period, run while a pull's
 // objects are being written under their names and settled, lose none of them.
 func TestPullGCWhileSettling(t *testing.T) {
-	srv := s3test.Start(t)
-	ctx := ctxT(t)
-	a := newStore(t)
-	_, root := bigTree(t, a, 1500, 3000)
-	if _, err := openRemote(t, srv, 16).Push(ctx, a, root, remote.PushOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	srv, ctx, _, root := pushedTree(t, 1500, 3000)
 	b := newStore(t)
 	if _, err := openRemote(t, srv, 8).Pull(ctx, b, root); err != nil {
 		t.Fatal(err)
