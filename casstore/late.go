@@ -180,24 +180,32 @@ func (s *Store) journaledObject(h Hash) (bool, error) {
 	return false, nil
 }
 
-// journalIndex finds h in the journals, reading their headers again if the journal
-// directory changed since they were last read.
+// journalIndex finds h in the journals (see journalIndexes).
 func (s *Store) journalIndex(h Hash) (journalEntry, bool, error) {
+	var e journalEntry
+	ok := false
+	err := s.journalIndexes(func(index map[Hash]journalEntry) { e, ok = index[h] })
+	return e, ok, err
+}
+
+// journalIndexes calls look with the index of every object in the store's journals,
+// read again first if the journal directory changed since it was last read.
+func (s *Store) journalIndexes(look func(map[Hash]journalEntry)) error {
 	l := &s.late
 	l.jmu.Lock()
 	defer l.jmu.Unlock()
 	var st unix.Stat_t
 	if err := unix.Stat(s.journalDir(), &st); err != nil {
 		if errors.Is(err, unix.ENOENT) {
-			return journalEntry{}, false, nil
+			return nil
 		}
-		return journalEntry{}, false, fmt.Errorf("stat journal directory: %w", err)
+		return fmt.Errorf("stat journal directory: %w", err)
 	}
 	if l.jindex == nil || st.Mtim != l.jstamp {
 		index := map[Hash]journalEntry{}
 		ents, err := os.ReadDir(s.journalDir())
 		if err != nil {
-			return journalEntry{}, false, fmt.Errorf("list journals: %w", err)
+			return fmt.Errorf("list journals: %w", err)
 		}
 		for _, e := range ents {
 			if e.IsDir() || !strings.HasPrefix(e.Name(), "jnl-") {
@@ -205,13 +213,65 @@ func (s *Store) journalIndex(h Hash) (journalEntry, bool, error) {
 			}
 			p := filepath.Join(s.journalDir(), e.Name())
 			if err := indexJournal(p, index); err != nil && !errors.Is(err, fs.ErrNotExist) {
-				return journalEntry{}, false, err
+				return err
 			}
 		}
 		l.jindex, l.jstamp = index, st.Mtim
 	}
-	e, ok := l.jindex[h]
-	return e, ok, nil
+	look(l.jindex)
+	return nil
+}
+
+// HasAll is Has for many objects, for a walker that meets a tree's entries together
+// (a pull): one stat per object in place; the objects of this process's journals are
+// known from memory, and the journals are looked at once for the rest (an object
+// found only there is written under its name from it, checked, as Has does).
+func (s *Store) HasAll(hs []Hash) ([]bool, error) {
+	out := make([]bool, len(hs))
+	var rest []int
+	for i, h := range hs {
+		_, err := os.Lstat(s.Path(h))
+		switch {
+		case err == nil:
+			out[i] = true
+		case errors.Is(err, fs.ErrNotExist):
+			rest = append(rest, i)
+		default:
+			return nil, fmt.Errorf("stat object %s: %w", h, err)
+		}
+	}
+	if len(rest) == 0 {
+		return out, nil
+	}
+	l := &s.late
+	var journaled []int
+	l.mu.Lock()
+	for _, i := range rest {
+		_, inMemory := l.objects[hs[i]]
+		_, inJournal := l.entries[hs[i]]
+		out[i] = inMemory || inJournal
+		if !out[i] {
+			journaled = append(journaled, i)
+		}
+	}
+	l.mu.Unlock()
+	var found []int
+	err := s.journalIndexes(func(index map[Hash]journalEntry) {
+		for _, i := range journaled {
+			if _, ok := index[hs[i]]; ok {
+				found = append(found, i)
+			}
+		}
+	})
+	if err != nil {
+		return nil, err
+	}
+	for _, i := range found {
+		if out[i], err = s.Has(hs[i]); err != nil {
+			return nil, err
+		}
+	}
+	return out, nil
 }
 
 // indexJournal adds where the journal at p holds each of its objects; a torn tail

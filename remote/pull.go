@@ -145,6 +145,11 @@ func (p *puller) run(ctx context.Context, root casstore.Hash) error {
 // visit meets object k: present locally (a tree is then walked from disk), or
 // missing.
 func (p *puller) visit(ctx context.Context, k objKey) error {
+	return p.visitKnown(ctx, k, func() (bool, error) { return p.local(k.h) })
+}
+
+// visitKnown is visit with the object's presence from have.
+func (p *puller) visitKnown(ctx context.Context, k objKey, have func() (bool, error)) error {
 	p.mu.Lock()
 	if p.seen[k] {
 		p.mu.Unlock()
@@ -152,7 +157,7 @@ func (p *puller) visit(ctx context.Context, k objKey) error {
 	}
 	p.seen[k] = true
 	p.mu.Unlock()
-	ok, err := p.local(k.h)
+	ok, err := have()
 	if err != nil {
 		return err
 	}
@@ -177,9 +182,35 @@ func (p *puller) visit(ctx context.Context, k objKey) error {
 	return nil
 }
 
+// expand visits a tree's entries, learning which the store has with one HasAll for
+// those not seen yet (a tree's entries are met together; one stat each).
 func (p *puller) expand(ctx context.Context, t casstore.Tree) error {
+	var ask []casstore.Hash
+	p.mu.Lock()
 	for _, e := range t {
-		if err := p.visit(ctx, objKey{e.Hash, e.Mode.IsDir()}); err != nil {
+		if e.Hash != casstore.EmptyHash && !p.seen[objKey{e.Hash, e.Mode.IsDir()}] {
+			ask = append(ask, e.Hash)
+		}
+	}
+	p.mu.Unlock()
+	have, err := p.s.HasAll(ask)
+	if err != nil {
+		return err
+	}
+	known := make(map[casstore.Hash]bool, len(ask))
+	for i, h := range ask {
+		known[h] = have[i]
+	}
+	for _, e := range t {
+		k := objKey{e.Hash, e.Mode.IsDir()}
+		ok, asked := known[e.Hash]
+		if !asked {
+			if err := p.visit(ctx, k); err != nil {
+				return err
+			}
+			continue
+		}
+		if err := p.visitKnown(ctx, k, func() (bool, error) { return ok, nil }); err != nil {
 			return err
 		}
 	}
