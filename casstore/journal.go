@@ -2,6 +2,7 @@ package casstore
 
 import (
 	"bufio"
+	"bytes"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -48,12 +49,9 @@ func (s *Store) journalDir() string { return filepath.Join(s.tmp, journalDirName
 // the journal's path.
 func (s *Store) writeJournal(objects map[Hash][]byte) (string, error) {
 	dir := s.journalDir()
-	if err := os.Mkdir(dir, 0o700); err != nil && !errors.Is(err, fs.ErrExist) {
-		return "", fmt.Errorf("create journal directory: %w", err)
-	}
-	f, err := os.CreateTemp(dir, "jnl-"+strings.TrimPrefix(tempPrefix(), "obj-")+"*")
+	f, err := s.createJournal()
 	if err != nil {
-		return "", fmt.Errorf("create journal: %w", err)
+		return "", err
 	}
 	fail := func(err error) (string, error) {
 		f.Close()
@@ -83,7 +81,16 @@ func (s *Store) writeJournal(objects map[Hash][]byte) (string, error) {
 		os.Remove(f.Name())
 		return "", fmt.Errorf("sync journal directory: %w", err)
 	}
+	s.journalsChanged()
 	return f.Name(), nil
+}
+
+// journalsChanged tells readers in every process that a journal is complete: they
+// index the journals again when the journal directory's mtime moves (late.go), and a
+// journal's creation moved it before its entries were written.
+func (s *Store) journalsChanged() {
+	now := time.Now()
+	_ = os.Chtimes(s.journalDir(), now, now) // best effort: the index is read again on its next change
 }
 
 // Settling is deferred, as pool refills are: a journaled batch's objects are
@@ -264,46 +271,40 @@ func (s *Store) replayJournal(path string) (int, error) {
 		// Torn before its first entry, or not ours: nothing to restore.
 		return 0, s.dropJournal(path)
 	}
-	var (
-		rewritten int
-		synced    []string
-		dirs      = map[string]struct{}{}
-		hdr       [HashSize + 8]byte
-	)
+	rewritten := 0
+	var hdr [HashSize + 8]byte
 	for {
 		if _, err := io.ReadFull(r, hdr[:]); err != nil {
 			break // the end, or a torn tail
 		}
 		var h Hash
 		copy(h[:], hdr[:HashSize])
-		n := binary.BigEndian.Uint64(hdr[HashSize:])
-		if n > 1<<40 {
+		n := int64(binary.BigEndian.Uint64(hdr[HashSize:]))
+		if n < 0 || n > 1<<40 {
 			break
 		}
-		data := make([]byte, n)
-		if _, err := io.ReadFull(r, data); err != nil || Sum(data) != h {
-			break
-		}
-		final := s.Path(h)
-		if ok, _ := s.hashesTo(final, h); ok {
-			synced = append(synced, final)
-			dirs[filepath.Dir(final)] = struct{}{}
+		if ok, _ := s.hashesTo(s.Path(h), h); ok {
+			if _, err := r.Discard(int(n)); err != nil {
+				break
+			}
 			continue
 		}
-		if err := s.restoreObject(h, data, true); err != nil {
+		// Streamed and checked on the way: bytes that do not hash to the entry's name
+		// (a torn tail, or an entry a streaming writer had not named yet) end the
+		// replay, and nothing of them is left under a name.
+		err := s.writeObject(h, io.LimitReader(r, n), false)
+		var ce *CorruptError
+		if errors.As(err, &ce) {
+			break
+		}
+		if err != nil {
 			return rewritten, fmt.Errorf("replay journal %s: %w", path, err)
 		}
 		rewritten++
-		dirs[filepath.Dir(final)] = struct{}{}
 	}
-	if err := syncAll(synced); err != nil && !errors.Is(err, fs.ErrNotExist) {
-		return rewritten, fmt.Errorf("replay journal %s: %w", path, err)
-	}
-	ds := make([]string, 0, len(dirs))
-	for d := range dirs {
-		ds = append(ds, d)
-	}
-	if err := syncAll(ds); err != nil {
+	// One syncfs makes every object the journal holds durable in place, whether this
+	// replay or an earlier reader wrote it, with its directory entry.
+	if err := s.syncfs(); err != nil {
 		return rewritten, fmt.Errorf("replay journal %s: %w", path, err)
 	}
 	if rewritten > 0 {
@@ -332,33 +333,5 @@ func (s *Store) hashesTo(path string, h Hash) (bool, error) {
 
 // restoreObject writes data (known to hash to h) under its name, durably if sync.
 func (s *Store) restoreObject(h Hash, data []byte, sync bool) error {
-	f, err := os.CreateTemp(s.tmp, tempPrefix()+"*")
-	if err != nil {
-		return err
-	}
-	tmp := f.Name()
-	_, err = f.Write(data)
-	if err == nil && sync {
-		err = f.Sync()
-	}
-	if cerr := f.Close(); err == nil {
-		err = cerr
-	}
-	if err == nil && s.objPerm != 0o600 {
-		err = os.Chmod(tmp, s.objPerm)
-	}
-	if err == nil {
-		err = s.adopt(tmp)
-	}
-	if err == nil {
-		err = s.ensureFanout(filepath.Dir(s.Path(h)))
-	}
-	if err == nil {
-		err = os.Rename(tmp, s.Path(h))
-	}
-	if err != nil {
-		os.Remove(tmp)
-		return fmt.Errorf("restore object %s: %w", h, err)
-	}
-	return nil
+	return s.writeObject(h, bytes.NewReader(data), sync)
 }

@@ -32,6 +32,9 @@ import (
 type lateObjects struct {
 	mu      sync.Mutex
 	objects map[Hash][]byte
+	// entries are the objects of this process's committed journal writers
+	// (stream.go) that are not under their names yet.
+	entries map[Hash]journalEntry
 	running sync.WaitGroup
 
 	// The journals' index, read again when the journal directory changes.
@@ -100,15 +103,17 @@ func (s *Store) Materialize(h Hash) (bool, error) {
 		}
 		return true, nil
 	}
-	data, ok, err := s.journaledObject(h)
-	if err != nil || !ok {
-		return false, err
+	if e, ok := s.lateEntry(h); ok {
+		err := s.placeFromJournal(h, e)
+		if err == nil {
+			return true, nil
+		}
+		if !errors.Is(err, fs.ErrNotExist) {
+			return false, err
+		}
+		// Settled and removed meanwhile: look again below.
 	}
-	if err := s.placeObject(h, data); err != nil {
-		return false, err
-	}
-	log.L.WithField("object", h.String()).Debug("store: object written from a journal by its reader")
-	return true, nil
+	return s.journaledObject(h)
 }
 
 // placeObject writes data, known to hash to h and durable in a journal, under its
@@ -117,48 +122,90 @@ func (s *Store) placeObject(h Hash, data []byte) error {
 	return s.restoreObject(h, data, false)
 }
 
-// journaledObject looks for h in the store's journals.
-func (s *Store) journaledObject(h Hash) ([]byte, bool, error) {
+// addLateEntries makes objects of a committed journal (stream.go) readable before
+// they are under their names.
+func (s *Store) addLateEntries(entries map[Hash]journalEntry) {
+	l := &s.late
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.entries == nil {
+		l.entries = map[Hash]journalEntry{}
+	}
+	for h, e := range entries {
+		l.entries[h] = e
+	}
+}
+
+// dropLateEntries forgets journal entries whose objects are now under their names.
+func (s *Store) dropLateEntries(objects []Hash) {
+	l := &s.late
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for _, h := range objects {
+		delete(l.entries, h)
+	}
+}
+
+func (s *Store) lateEntry(h Hash) (journalEntry, bool) {
+	l := &s.late
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	e, ok := l.entries[h]
+	return e, ok
+}
+
+// journaledObject looks for h in the store's journals and writes it under its name
+// from there; it reports whether h is in place.
+func (s *Store) journaledObject(h Hash) (bool, error) {
 	for attempt := 0; attempt < 2; attempt++ {
 		e, ok, err := s.journalIndex(h)
 		if err != nil || !ok {
-			return nil, false, err
+			return false, err
 		}
-		data, err := readJournalEntry(e, h)
+		err = s.placeFromJournal(h, e)
 		if errors.Is(err, fs.ErrNotExist) {
 			// Settled and removed since the index was read: its objects are durable in
 			// place now, unless they were collected since.
 			if _, err := os.Lstat(s.Path(h)); err == nil {
-				return nil, false, nil
+				return true, nil
 			}
 			continue
 		}
 		if err != nil {
-			return nil, false, err
+			return false, err
 		}
-		return data, true, nil
+		log.L.WithField("object", h.String()).Debug("store: object written from a journal by its reader")
+		return true, nil
 	}
-	return nil, false, nil
+	return false, nil
 }
 
-// journalIndex finds h in the journals, reading their headers again if the journal
-// directory changed since they were last read.
+// journalIndex finds h in the journals (see journalIndexes).
 func (s *Store) journalIndex(h Hash) (journalEntry, bool, error) {
+	var e journalEntry
+	ok := false
+	err := s.journalIndexes(func(index map[Hash]journalEntry) { e, ok = index[h] })
+	return e, ok, err
+}
+
+// journalIndexes calls look with the index of every object in the store's journals,
+// read again first if the journal directory changed since it was last read.
+func (s *Store) journalIndexes(look func(map[Hash]journalEntry)) error {
 	l := &s.late
 	l.jmu.Lock()
 	defer l.jmu.Unlock()
 	var st unix.Stat_t
 	if err := unix.Stat(s.journalDir(), &st); err != nil {
 		if errors.Is(err, unix.ENOENT) {
-			return journalEntry{}, false, nil
+			return nil
 		}
-		return journalEntry{}, false, fmt.Errorf("stat journal directory: %w", err)
+		return fmt.Errorf("stat journal directory: %w", err)
 	}
 	if l.jindex == nil || st.Mtim != l.jstamp {
 		index := map[Hash]journalEntry{}
 		ents, err := os.ReadDir(s.journalDir())
 		if err != nil {
-			return journalEntry{}, false, fmt.Errorf("list journals: %w", err)
+			return fmt.Errorf("list journals: %w", err)
 		}
 		for _, e := range ents {
 			if e.IsDir() || !strings.HasPrefix(e.Name(), "jnl-") {
@@ -166,13 +213,65 @@ func (s *Store) journalIndex(h Hash) (journalEntry, bool, error) {
 			}
 			p := filepath.Join(s.journalDir(), e.Name())
 			if err := indexJournal(p, index); err != nil && !errors.Is(err, fs.ErrNotExist) {
-				return journalEntry{}, false, err
+				return err
 			}
 		}
 		l.jindex, l.jstamp = index, st.Mtim
 	}
-	e, ok := l.jindex[h]
-	return e, ok, nil
+	look(l.jindex)
+	return nil
+}
+
+// HasAll is Has for many objects, for a walker that meets a tree's entries together
+// (a pull): one stat per object in place; the objects of this process's journals are
+// known from memory, and the journals are looked at once for the rest (an object
+// found only there is written under its name from it, checked, as Has does).
+func (s *Store) HasAll(hs []Hash) ([]bool, error) {
+	out := make([]bool, len(hs))
+	var rest []int
+	for i, h := range hs {
+		_, err := os.Lstat(s.Path(h))
+		switch {
+		case err == nil:
+			out[i] = true
+		case errors.Is(err, fs.ErrNotExist):
+			rest = append(rest, i)
+		default:
+			return nil, fmt.Errorf("stat object %s: %w", h, err)
+		}
+	}
+	if len(rest) == 0 {
+		return out, nil
+	}
+	l := &s.late
+	var journaled []int
+	l.mu.Lock()
+	for _, i := range rest {
+		_, inMemory := l.objects[hs[i]]
+		_, inJournal := l.entries[hs[i]]
+		out[i] = inMemory || inJournal
+		if !out[i] {
+			journaled = append(journaled, i)
+		}
+	}
+	l.mu.Unlock()
+	var found []int
+	err := s.journalIndexes(func(index map[Hash]journalEntry) {
+		for _, i := range journaled {
+			if _, ok := index[hs[i]]; ok {
+				found = append(found, i)
+			}
+		}
+	})
+	if err != nil {
+		return nil, err
+	}
+	for _, i := range found {
+		if out[i], err = s.Has(hs[i]); err != nil {
+			return nil, err
+		}
+	}
+	return out, nil
 }
 
 // indexJournal adds where the journal at p holds each of its objects; a torn tail
@@ -207,22 +306,4 @@ func indexJournal(p string, index map[Hash]journalEntry) error {
 		index[h] = journalEntry{path: p, off: off, size: int64(n)}
 		off += int64(n)
 	}
-}
-
-// readJournalEntry reads an object's bytes from a journal and checks them against
-// its name.
-func readJournalEntry(e journalEntry, h Hash) ([]byte, error) {
-	f, err := os.Open(e.path)
-	if err != nil {
-		return nil, err
-	}
-	defer f.Close()
-	data := make([]byte, e.size)
-	if _, err := f.ReadAt(data, e.off); err != nil {
-		return nil, fmt.Errorf("read object %s from journal %s: %w", h, e.path, err)
-	}
-	if got := Sum(data); got != h {
-		return nil, &CorruptError{Hash: h, Got: got, Path: e.path}
-	}
-	return data, nil
 }

@@ -360,3 +360,35 @@ func TestMountImageDirect(t *testing.T) {
 		t.Fatalf("another file: %q, %v", b, err)
 	}
 }
+
+// TestMountObjectsInJournal: objects that are only in a journal (another process's
+// pull or branch whose objects have not reached their names yet, or a dead writer's)
+// are put in place by the view's scan; the view mounts with no hydrator, shows their
+// bytes, and every object it names is a file under its name.
+func TestMountObjectsInJournal(t *testing.T) {
+	requireKernel(t)
+	src := casstoretest.NewStore(t)
+	root := fixture(t, src)
+	var objs []casstore.Hash
+	if err := src.Walk(func(h casstore.Hash, _ string) error { objs = append(objs, h); return nil }); err != nil {
+		t.Fatal(err)
+	}
+	s2 := casstoretest.NewStore(t)
+	casstoretest.DeadJournal(t, s2, src, objs...)
+	h := newHost(t, s2)
+	dir := mountT(t, h, Spec{Root: root})
+	if b, err := os.ReadFile(filepath.Join(dir, "src/a/b/large.bin")); err != nil || len(b) != 16*70000 {
+		t.Fatalf("view of journaled objects: %d bytes, %v", len(b), err)
+	}
+	if b, err := os.ReadFile(filepath.Join(dir, "bin/run.sh")); err != nil || string(b) != "#!/bin/sh\necho run\n" {
+		t.Fatalf("view of journaled objects: %q, %v", b, err)
+	}
+	for _, o := range objs {
+		if o == casstore.EmptyHash {
+			continue // an empty file needs no object file
+		}
+		if _, err := os.Lstat(s2.Path(o)); err != nil {
+			t.Fatalf("object %s named by the view is not under its name: %v", o, err)
+		}
+	}
+}

@@ -281,9 +281,10 @@ type objDirs struct {
 // newObjDirs reads the objects of store. It refreshes the store's size index, and
 // uses it only if that works (the index only saves time).
 //
-// Objects this process published late (casstore's late.go: a branch returns once its
-// journal is durable) are under their names first, since a scan reads object files
-// directly.
+// Objects this process published late (casstore's late.go: a branch or a pull returns
+// once its journal is durable) are under their names first, since a scan reads object
+// files directly; those of other processes' journals are put in place as the scan
+// misses them (lookup).
 func newObjDirs(store *casstore.Store) *objDirs {
 	store.WaitPublished()
 	return &objDirs{store: store, root: store.Root(), index: store.RefreshSizes() == nil}
@@ -318,6 +319,39 @@ func (od *objDirs) dir(h casstore.Hash) (int, error) {
 	return f.fd, f.err
 }
 
+// lookup runs op (a stat or an open) on h's file in its fan-out directory and
+// reports whether the file is there. A missing file may still be in a journal (a
+// pull's or a branch's objects reach their names in the background, see casstore's
+// late.go and stream.go): the image names object files directly, so Materialize
+// puts such an object in place and op runs again on its full path. ok is false if
+// the object is in neither.
+func (od *objDirs) lookup(h casstore.Hash, op func(dirfd int, name string) error) (bool, error) {
+	fd, err := od.dir(h)
+	if err != nil {
+		return false, err
+	}
+	if fd >= 0 {
+		err := op(fd, h.String()[2:])
+		if err == nil {
+			return true, nil
+		}
+		if !errors.Is(err, unix.ENOENT) {
+			return false, fmt.Errorf("object %s: %w", h, err)
+		}
+	}
+	if ok, err := od.store.Materialize(h); err != nil || !ok {
+		return false, err
+	}
+	err = op(unix.AT_FDCWD, od.store.Path(h))
+	switch {
+	case errors.Is(err, unix.ENOENT):
+		return false, nil
+	case err != nil:
+		return false, fmt.Errorf("object %s: %w", h, err)
+	}
+	return true, nil
+}
+
 // known answers a size from the size index.
 func (od *objDirs) known(h casstore.Hash) (int64, bool) {
 	if !od.index {
@@ -328,17 +362,12 @@ func (od *objDirs) known(h casstore.Hash) (int64, bool) {
 
 // stat returns an object's size from its file; ok is false if it is not in the store.
 func (od *objDirs) stat(h casstore.Hash) (int64, bool, error) {
-	fd, err := od.dir(h)
-	if err != nil || fd < 0 {
-		return 0, false, err
-	}
 	var s unix.Stat_t
-	err = unix.Fstatat(fd, h.String()[2:], &s, unix.AT_SYMLINK_NOFOLLOW)
-	if errors.Is(err, unix.ENOENT) {
-		return 0, false, nil
-	}
-	if err != nil {
-		return 0, false, fmt.Errorf("object %s: %w", h, err)
+	ok, err := od.lookup(h, func(dirfd int, name string) error {
+		return unix.Fstatat(dirfd, name, &s, unix.AT_SYMLINK_NOFOLLOW)
+	})
+	if err != nil || !ok {
+		return 0, false, err
 	}
 	if s.Mode&unix.S_IFMT != unix.S_IFREG {
 		return 0, false, fmt.Errorf("object %s is not a regular file: %w", h, errdefs.ErrDataLoss)
@@ -349,16 +378,13 @@ func (od *objDirs) stat(h casstore.Hash) (int64, bool, error) {
 // read returns a whole object of at most max bytes, verified against its name; ok is
 // false if it is not in the store.
 func (od *objDirs) read(h casstore.Hash, max int64) ([]byte, bool, error) {
-	dfd, err := od.dir(h)
-	if err != nil || dfd < 0 {
+	fd := -1
+	ok, err := od.lookup(h, func(dirfd int, name string) (err error) {
+		fd, err = unix.Openat(dirfd, name, unix.O_RDONLY|unix.O_CLOEXEC|unix.O_NOFOLLOW|unix.O_NONBLOCK, 0)
+		return err
+	})
+	if err != nil || !ok {
 		return nil, false, err
-	}
-	fd, err := unix.Openat(dfd, h.String()[2:], unix.O_RDONLY|unix.O_CLOEXEC|unix.O_NOFOLLOW|unix.O_NONBLOCK, 0)
-	if errors.Is(err, unix.ENOENT) {
-		return nil, false, nil
-	}
-	if err != nil {
-		return nil, false, fmt.Errorf("object %s: %w", h, err)
 	}
 	defer unix.Close(fd)
 	var st unix.Stat_t

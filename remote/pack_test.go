@@ -1,10 +1,12 @@
 package remote_test
 
 import (
+	"bytes"
 	"context"
 	"encoding/binary"
 	"fmt"
 	"io"
+	"os"
 	"strings"
 	"testing"
 
@@ -179,6 +181,14 @@ func TestPackCorruptEntry(t *testing.T) {
 	pr, err := rr.Pull(ctx, b, root)
 	if err != nil {
 		t.Fatalf("pull over a pack with a corrupt entry: %v", err)
+	}
+	// The pull's journal, not settled yet, holds the good entries only.
+	js, err := b.Journals()
+	if err != nil || len(js) != 1 {
+		t.Fatalf("journals right after the pull: %v, %v; want the pull's", js, err)
+	}
+	if raw, err := os.ReadFile(js[0].Path); err != nil || !bytes.Contains(raw, []byte("shared\n")) || bytes.Contains(raw, evil) {
+		t.Fatalf("journal %s (%v): holds the corrupt entry or not the good ones", js[0].Path, err)
 	}
 	if pr.Packs != 1 || pr.Requests != 2 {
 		t.Fatalf("pull: %s; want the pack read to its end and one GET for the refused object", srvMetrics(pr))

@@ -1,9 +1,11 @@
 package remote
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"runtime"
 	"sync"
 	"sync/atomic"
@@ -42,17 +44,28 @@ type PullResult struct {
 // see pack.go) and the packs of the roots it was diffed against, storing each
 // entry the walk needs once its bytes hash to its name; whatever is still missing
 // (no pack, a corrupt or truncated one, objects the packs do not hold) is fetched
-// object by object, in parallel. Every object is verified before it is staged, and
-// staged objects are published in batches through the store's durable write path
-// while the pull goes on, so an interruption leaves whole objects only and a re-run
-// fetches just the rest.
+// object by object, in parallel. Every object is verified before it is written into
+// one store journal (casstore.JournalWriter: entries appended as they arrive, its
+// writeback started on the way, one sync at the end), so when Pull returns the root is
+// durable and readable through the store, and its objects reach their names in the
+// LunarFS layout in the background (Store.WaitPublished, Store.Settle): a pull costs
+// about what writing its bytes once costs, not one file creation per object. Objects
+// over bigEntry fetched on their own are staged as files and published in batches.
+// An interruption leaves whole objects only: a failed pull commits what its journal
+// holds, a killed one leaves a journal the next writer replays, and a re-run fetches
+// just the rest.
 func (r *Remote) Pull(ctx context.Context, store *casstore.Store, root casstore.Hash) (PullResult, error) {
 	before := r.metrics.Snapshot()
-	st, err := newStager(store)
+	j, err := store.BeginJournal()
 	if err != nil {
 		return PullResult{Root: root}, err
 	}
-	p := &puller{r: r, s: store, st: st, sem: make(chan struct{}, r.conc),
+	st, err := newStager(store)
+	if err != nil {
+		j.Abort()
+		return PullResult{Root: root}, err
+	}
+	p := &puller{r: r, s: store, j: j, st: st, sem: make(chan struct{}, r.conc),
 		seen: map[objKey]bool{}, missing: map[objKey]bool{}, inflight: map[casstore.Hash]bool{}}
 	g, gctx := errgroup.WithContext(ctx)
 	p.g, p.gctx = g, gctx
@@ -61,6 +74,11 @@ func (r *Remote) Pull(ctx context.Context, store *casstore.Store, root casstore.
 		err = werr
 	}
 	if cerr := st.finish(); err == nil {
+		err = cerr
+	}
+	// Whatever the journal holds is whole and verified: it is committed after a
+	// failed pull too, so a re-run resumes instead of starting over.
+	if cerr := j.Commit(); err == nil {
 		err = cerr
 	}
 	after := r.metrics.Snapshot().Sub(before)
@@ -87,7 +105,8 @@ func (r *Remote) Hydrate(ctx context.Context, store *casstore.Store, root cassto
 type puller struct {
 	r    *Remote
 	s    *casstore.Store
-	st   *stager
+	j    *casstore.JournalWriter // where fetched objects go
+	st   *stager                 // big objects fetched on their own
 	sem  chan struct{}
 	g    *errgroup.Group
 	gctx context.Context
@@ -126,6 +145,11 @@ func (p *puller) run(ctx context.Context, root casstore.Hash) error {
 // visit meets object k: present locally (a tree is then walked from disk), or
 // missing.
 func (p *puller) visit(ctx context.Context, k objKey) error {
+	return p.visitKnown(ctx, k, func() (bool, error) { return p.local(k.h) })
+}
+
+// visitKnown is visit with the object's presence from have.
+func (p *puller) visitKnown(ctx context.Context, k objKey, have func() (bool, error)) error {
 	p.mu.Lock()
 	if p.seen[k] {
 		p.mu.Unlock()
@@ -133,7 +157,7 @@ func (p *puller) visit(ctx context.Context, k objKey) error {
 	}
 	p.seen[k] = true
 	p.mu.Unlock()
-	ok, err := p.local(k.h)
+	ok, err := have()
 	if err != nil {
 		return err
 	}
@@ -158,9 +182,35 @@ func (p *puller) visit(ctx context.Context, k objKey) error {
 	return nil
 }
 
+// expand visits a tree's entries, learning which the store has with one HasAll for
+// those not seen yet (a tree's entries are met together; one stat each).
 func (p *puller) expand(ctx context.Context, t casstore.Tree) error {
+	var ask []casstore.Hash
+	p.mu.Lock()
 	for _, e := range t {
-		if err := p.visit(ctx, objKey{e.Hash, e.Mode.IsDir()}); err != nil {
+		if e.Hash != casstore.EmptyHash && !p.seen[objKey{e.Hash, e.Mode.IsDir()}] {
+			ask = append(ask, e.Hash)
+		}
+	}
+	p.mu.Unlock()
+	have, err := p.s.HasAll(ask)
+	if err != nil {
+		return err
+	}
+	known := make(map[casstore.Hash]bool, len(ask))
+	for i, h := range ask {
+		known[h] = have[i]
+	}
+	for _, e := range t {
+		k := objKey{e.Hash, e.Mode.IsDir()}
+		ok, asked := known[e.Hash]
+		if !asked {
+			if err := p.visit(ctx, k); err != nil {
+				return err
+			}
+			continue
+		}
+		if err := p.visitKnown(ctx, k, func() (bool, error) { return ok, nil }); err != nil {
 			return err
 		}
 	}
@@ -174,7 +224,7 @@ func (p *puller) local(h casstore.Hash) (bool, error) {
 		return ok, err
 	}
 	if h == casstore.EmptyHash {
-		return true, p.st.do(0, func(b *casstore.Batch) error { _, err := b.PutBytes(nil); return err })
+		return true, p.j.PutBytesExpect(nil, h)
 	}
 	return false, nil
 }
@@ -224,7 +274,7 @@ func (p *puller) fetch(k objKey) {
 			if err != nil {
 				return err
 			}
-			if err := p.st.do(int64(len(b)), func(bt *casstore.Batch) error { return bt.PutBytesExpect(b, k.h) }); err != nil {
+			if err := p.j.PutBytesExpect(b, k.h); err != nil {
 				return err
 			}
 			return p.got(ctx, k.h, b, int64(len(b)))
@@ -235,10 +285,22 @@ func (p *puller) fetch(k objKey) {
 			return err
 		}
 		defer rc.Close()
+		// Up to bigEntry bytes go to the journal (read whole, verified by the reader
+		// at its end); a bigger object is staged as a file of its own.
+		head, err := io.ReadAll(io.LimitReader(rc, bigEntry+1))
+		if err != nil {
+			return err
+		}
+		if len(head) <= bigEntry {
+			if err := p.j.PutBytesExpect(head, k.h); err != nil {
+				return err
+			}
+			return p.got(ctx, k.h, nil, int64(len(head)))
+		}
 		var n int64
 		err = p.st.do(0, func(b *casstore.Batch) error {
 			var err error
-			n, err = b.PutExpect(rc, k.h)
+			n, err = b.PutExpect(io.MultiReader(bytes.NewReader(head), rc), k.h)
 			return err
 		})
 		if err != nil {
@@ -336,7 +398,7 @@ func (p *puller) consume(ctx context.Context, pr *packReader) error {
 					p.unclaim(it.h)
 					continue
 				}
-				err := p.st.do(int64(len(it.data)), func(b *casstore.Batch) error { return b.PutBytesExpect(it.data, it.h) })
+				err := p.j.PutBytesExpect(it.data, it.h)
 				var ce *casstore.CorruptError
 				switch {
 				case errors.As(err, &ce):
@@ -382,7 +444,7 @@ func (p *puller) readEntries(ctx context.Context, pr *packReader, work chan<- pa
 		}
 		if n > bigEntry {
 			start := pr.read
-			err := p.st.do(0, func(b *casstore.Batch) error { _, err := b.PutExpect(pr.stream(n), h); return err })
+			_, err := p.j.PutExpect(pr.stream(n), h, n)
 			var ce *casstore.CorruptError
 			switch {
 			case pr.read-start < n:
@@ -414,7 +476,7 @@ func (p *puller) readEntries(ctx context.Context, pr *packReader, work chan<- pa
 			p.refuse(ctx, pr, h, &casstore.CorruptError{Hash: h, Got: got, Path: pr.key})
 			continue
 		}
-		if err := p.st.do(n, func(b *casstore.Batch) error { return b.PutBytesExpect(data, h) }); err != nil {
+		if err := p.j.PutBytesExpect(data, h); err != nil {
 			p.unclaim(h)
 			return storeError{err}
 		}

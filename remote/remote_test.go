@@ -18,7 +18,9 @@ import (
 
 	"github.com/tidepool-dev/tidepool/casstore"
 	"github.com/tidepool-dev/tidepool/casstore/fsck"
+	"github.com/tidepool-dev/tidepool/casstore/gc"
 	"github.com/tidepool-dev/tidepool/casstore/ingest"
+	"github.com/tidepool-dev/tidepool/kview"
 	"github.com/tidepool-dev/tidepool/remote"
 	"github.com/tidepool-dev/tidepool/remote/s3test"
 )
@@ -75,8 +77,23 @@ func pullKilledMidway(ctx context.Context, t *testing.T, srv *s3test.Server, r *
 	}
 	t.Logf("interrupted pull: %v (metrics %+v)", err, r.Metrics().Snapshot())
 	checkComplete(t, b) // every object present is whole
-	if ents, _ := os.ReadDir(filepath.Join(b.Root(), ".tidepool-tmp")); len(ents) != 0 {
-		t.Fatalf("temp files left behind: %d", len(ents))
+	b.Settle()          // what the pull committed is under its names, its journal gone
+	noLeftovers(t, b)
+}
+
+// noLeftovers fails if s holds temp files or journals.
+func noLeftovers(t *testing.T, s *casstore.Store) {
+	t.Helper()
+	tmp, err := s.TempFiles()
+	if err != nil {
+		t.Fatal(err)
+	}
+	js, err := s.Journals()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(tmp) != 0 || len(js) != 0 {
+		t.Fatalf("left behind: temp files %v, journals %v", tmp, js)
 	}
 }
 
@@ -86,6 +103,7 @@ func newStore(t *testing.T) *casstore.Store {
 	if err != nil {
 		t.Fatal(err)
 	}
+	t.Cleanup(s.Settle) // before the directory goes: pulls settle in the background
 	return s
 }
 
@@ -439,14 +457,21 @@ func bigTree(t *testing.T, s *casstore.Store, n, size int) (string, casstore.Has
 	return dir, ingestDir(t, s, dir)
 }
 
-func TestPullInterrupted(t *testing.T) {
-	srv := s3test.Start(t)
-	ctx := ctxT(t)
-	a := newStore(t)
-	_, root := bigTree(t, a, 1500, 2000)
+// pushedTree starts a server and pushes a bigTree of n files to it from a store a.
+func pushedTree(t *testing.T, n, size int) (srv *s3test.Server, ctx context.Context, a *casstore.Store, root casstore.Hash) {
+	t.Helper()
+	srv = s3test.Start(t)
+	ctx = ctxT(t)
+	a = newStore(t)
+	_, root = bigTree(t, a, n, size)
 	if _, err := openRemote(t, srv, 16).Push(ctx, a, root, remote.PushOptions{}); err != nil {
 		t.Fatal(err)
 	}
+	return srv, ctx, a, root
+}
+
+func TestPullInterrupted(t *testing.T) {
+	srv, ctx, _, root := pushedTree(t, 1500, 2000)
 	b := newStore(t)
 	// The per-object path; pack_test.go interrupts a pack.
 	pullKilledMidway(ctx, t, srv, openRemoteNoPacks(t, srv, 2), b, root, 200)
@@ -587,4 +612,85 @@ func putRaw(t *testing.T, srv *s3test.Server, key string, data []byte) {
 	if _, err := srv.Client(t).PutObject(context.Background(), srv.Bucket, key, bytes.NewReader(data), int64(len(data)), minio.PutObjectOptions{}); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// TestPullReadableAtOnce: when Pull returns, every object of the root is durable (in
+// the pull's journal) and readable through the store API, objects not under their
+// names yet included; a kernel view's scan right after finds every object as a file
+// under its name (what the view's image reads); after settling, the journal is gone
+// and the store is LunarFS's layout alone. Both the pack and the per-object path.
+func TestPullReadableAtOnce(t *testing.T) {
+	srv, ctx, a, root := pushedTree(t, 1500, 3000)
+	want := reachable(t, a, root)
+	for _, packs := range []bool{true, false} {
+		t.Run(fmt.Sprintf("packs=%v", packs), func(t *testing.T) {
+			r := openRemote(t, srv, 8)
+			if !packs {
+				r = openRemoteNoPacks(t, srv, 8)
+			}
+			b := newStore(t)
+			if _, err := r.Pull(ctx, b, root); err != nil {
+				t.Fatal(err)
+			}
+			js, err := b.Journals()
+			if err != nil || len(js) != 1 {
+				t.Fatalf("journals right after the pull: %v, %v; want the pull's", js, err)
+			}
+			notPlaced := 0
+			for h := range want {
+				if _, err := os.Lstat(b.Path(h)); err != nil {
+					notPlaced++
+				}
+			}
+			t.Logf("%d of %d objects not under their names yet when Pull returned", notPlaced, len(want))
+			for h := range want {
+				f, err := b.Open(h) // verified against its name
+				if err != nil {
+					t.Fatal(err)
+				}
+				f.Close()
+			}
+			if _, err := kview.Scan(ctx, b, kview.Spec{Root: root}); err != nil {
+				t.Fatalf("kernel view scan right after the pull: %v", err)
+			}
+			for h := range want {
+				if _, err := os.Lstat(b.Path(h)); err != nil {
+					t.Fatalf("after the view's scan, object %s is not under its name: %v", h, err)
+				}
+			}
+			b.Settle()
+			noLeftovers(t, b)
+			checkComplete(t, b, root)
+		})
+	}
+}
+
+// TestPullGCWhileSettling: collections with no grace period, run while a pull's
+// objects are being written under their names and settled, lose none of them.
+func TestPullGCWhileSettling(t *testing.T) {
+	srv, ctx, _, root := pushedTree(t, 1500, 3000)
+	b := newStore(t)
+	if _, err := openRemote(t, srv, 8).Pull(ctx, b, root); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan struct{})
+	var swept int
+	go func() {
+		defer close(done)
+		for i := 0; i < 5; i++ {
+			res, err := gc.Collect(ctx, b, nil, gc.Options{Grace: -1, Roots: []casstore.Hash{root}})
+			if err != nil {
+				t.Errorf("gc: %v", err)
+				return
+			}
+			swept += res.Swept + len(res.Missing)
+		}
+	}()
+	b.Settle()
+	<-done
+	if swept != 0 {
+		t.Fatalf("collections swept or missed %d objects of a live root", swept)
+	}
+	checkComplete(t, b, root)
+	noLeftovers(t, b)
 }

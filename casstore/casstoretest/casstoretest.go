@@ -7,6 +7,8 @@ package casstoretest
 
 import (
 	"encoding/binary"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 
@@ -149,4 +151,29 @@ func Stage(b *casstore.Batch, leaves map[string]Leaf) (casstore.Hash, error) {
 		ents = append(ents, casstore.Entry{Mode: casstore.ModeDir, Name: name, Hash: h})
 	}
 	return b.WriteTree(ents)
+}
+
+// DeadJournal writes objects of src into a journal of dst whose writer no longer
+// runs (the store's journal format: "TPJRNL1\n", then per object its hash, its
+// length as a big-endian uint64 and its bytes): what a pull or a branch killed
+// before its objects reached their names leaves. Readers of dst must find them there.
+func DeadJournal(t testing.TB, dst, src *casstore.Store, objects ...casstore.Hash) {
+	t.Helper()
+	buf := []byte("TPJRNL1\n")
+	for _, h := range objects {
+		data, err := src.ReadAll(h, 1<<30)
+		if err != nil {
+			t.Fatal(err)
+		}
+		buf = append(buf, h[:]...)
+		buf = binary.BigEndian.AppendUint64(buf, uint64(len(data)))
+		buf = append(buf, data...)
+	}
+	dir := filepath.Join(dst.Root(), ".tidepool-tmp", "journal")
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(dir, "jnl-999999999.1-test"), buf, 0o600); err != nil {
+		t.Fatal(err)
+	}
 }

@@ -165,6 +165,11 @@ the ref so that ` + "`tidepool push FORK`" + ` pushes back to it.`,
 			if err != nil {
 				return err
 			}
+			// The pulled objects are durable (in a journal) when Pull returns and reach
+			// their names in the background; the command waits for that before it
+			// exits, after its output, so it leaves them in LunarFS's layout rather than
+			// a journal for the next writer to replay.
+			defer s.Settle()
 			start := time.Now()
 			res, err := r.Pull(ctx, s, root)
 			if err != nil {
