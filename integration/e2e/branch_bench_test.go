@@ -12,7 +12,6 @@ import (
 	apiv1 "github.com/tidepool-dev/tidepool/api/v1"
 	"github.com/tidepool-dev/tidepool/casstore"
 	"github.com/tidepool-dev/tidepool/casstore/forks"
-	"github.com/tidepool-dev/tidepool/integration/harness"
 	"github.com/tidepool-dev/tidepool/integration/imagebuild"
 	"github.com/tidepool-dev/tidepool/integration/stack"
 	"github.com/tidepool-dev/tidepool/localapi"
@@ -55,13 +54,7 @@ func BenchmarkForkContainer(b *testing.B) {
 		s.Ctr("task", "kill", "-s", "KILL", "parent")
 		waitTaskGone(b, s, "parent")
 		s.Ctr("container", "rm", "parent")
-		// Its snapshot goes (and its view with it) when containerd collects it.
-		waitFor(b, "the parent's view released", func() string {
-			if left, _ := harness.MountsUnder(filepath.Join(s.Root, "views")); len(left) > 0 {
-				return fmt.Sprintf("mounted: %v", left)
-			}
-			return ""
-		})
+		waitViewsReleased(b, s)
 	})
 	proot := fmt.Sprintf("/proc/%d/root", taskPid(b, s, "parent"))
 	waitFile(b, s, proot+"/tmp/round")

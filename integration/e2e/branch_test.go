@@ -14,6 +14,7 @@ import (
 
 	"github.com/tidepool-dev/tidepool/binding"
 	"github.com/tidepool-dev/tidepool/casstore/forks"
+	"github.com/tidepool-dev/tidepool/integration/harness"
 	"github.com/tidepool-dev/tidepool/integration/imagebuild"
 	"github.com/tidepool-dev/tidepool/integration/stack"
 )
@@ -358,6 +359,7 @@ func TestBranchErrors(t *testing.T) {
 	}
 	s.MustCtr(t, "container", "rm", "created")
 	s.C.LeakCheck(t)
+	waitViewsReleased(t, s)
 }
 
 // TestBranchThroughShim: a container run by containerd-shim-tidepool-v1 with the
@@ -382,4 +384,19 @@ func TestBranchThroughShim(t *testing.T) {
 	waitTaskGone(t, s, "shimmed")
 	s.MustCtr(t, "container", "rm", "shimmed")
 	s.C.LeakCheck(t)
+	waitViewsReleased(t, s)
+}
+
+// waitViewsReleased waits until no fork view is mounted under the daemon's root: a
+// removed container's snapshot goes, and its view with it, only when containerd
+// collects it, and kernel views stay mounted when tidepoold stops, so a test that
+// ends right after a removal would leave them to the stack's leak check.
+func waitViewsReleased(t testing.TB, s *stack.Stack) {
+	t.Helper()
+	waitFor(t, "the views of removed snapshots released", func() string {
+		if left, _ := harness.MountsUnder(filepath.Join(s.Root, "views")); len(left) > 0 {
+			return fmt.Sprintf("mounted: %v", left)
+		}
+		return ""
+	})
 }

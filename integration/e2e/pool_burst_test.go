@@ -61,7 +61,7 @@ func burst(t testing.TB, s *stack.Stack, poolName string, forkIDs []string) []bu
 		clients[i] = c
 	}
 	start := make(chan struct{})
-	var wg sync.WaitGroup
+	var wg, watchers sync.WaitGroup
 	for i := range claims {
 		wg.Add(1)
 		go func(i int) {
@@ -71,10 +71,19 @@ func burst(t testing.TB, s *stack.Stack, poolName string, forkIDs []string) []bu
 			var out, errOut bytes.Buffer
 			<-start
 			t0 := time.Now()
+			done := make(chan struct{})
 			c.exit, c.err = clients[i].Run(context.Background(), &apiv1.RunStart{
 				Pool: poolName, Fork: c.fork, Args: []string{"sh", "-c", fmt.Sprintf("echo %d > burst-%d.txt && cat README.md", i, i)},
 			}, localapi.RunStreams{Stdout: &out, Stderr: &errOut, Steps: func(st []localapi.Step) { c.steps = st },
-				Started: func(string) { c.start = time.Since(t0) }})
+				Started: func(member string) {
+					c.start = time.Since(t0)
+					watchers.Add(1)
+					go func() {
+						defer watchers.Done()
+						watchSlowWorkload(t, s, member, done)
+					}()
+				}})
+			close(done)
 			c.elapsed = time.Since(t0)
 			c.stdout, c.stderr = out.String(), errOut.String()
 			if c.exit != nil {
@@ -84,7 +93,42 @@ func burst(t testing.TB, s *stack.Stack, poolName string, forkIDs []string) []bu
 	}
 	close(start)
 	wg.Wait()
+	watchers.Wait()
 	return claims
+}
+
+// slowWorkload is how long a burst's workload (a shell writing one file and printing
+// another) may run before watchSlowWorkload records what its processes wait on.
+const slowWorkload = 5 * time.Second
+
+// watchSlowWorkload logs, once, the kernel's view of a claimed member whose workload
+// still runs slowWorkload after it started: its freezer state and each process's
+// state, wait channel and kernel stack. A burst now and then has a few workloads that
+// take tens of seconds where the rest take well under one; this is what to look at.
+func watchSlowWorkload(t testing.TB, s *stack.Stack, member string, done <-chan struct{}) {
+	select {
+	case <-done:
+		return
+	case <-time.After(slowWorkload):
+	}
+	dir := filepath.Join("/sys/fs/cgroup/freezer", s.C.Namespace, member)
+	var b strings.Builder
+	state, _ := os.ReadFile(filepath.Join(dir, "freezer.state"))
+	fmt.Fprintf(&b, "member %s still running after %v; freezer %s", member, slowWorkload, strings.TrimSpace(string(state)))
+	tasks, _ := os.ReadFile(filepath.Join(dir, "tasks"))
+	for _, pid := range strings.Fields(string(tasks)) {
+		cmd, _ := os.ReadFile(filepath.Join("/proc", pid, "cmdline"))
+		stat, _ := os.ReadFile(filepath.Join("/proc", pid, "stat"))
+		wchan, _ := os.ReadFile(filepath.Join("/proc", pid, "wchan"))
+		stack, _ := os.ReadFile(filepath.Join("/proc", pid, "stack"))
+		fields := strings.Fields(string(stat))
+		st := ""
+		if len(fields) > 2 {
+			st = fields[2]
+		}
+		fmt.Fprintf(&b, "\n  pid %s %q state %s wchan %s\n%s", pid, strings.ReplaceAll(string(cmd), "\x00", " "), st, wchan, stack)
+	}
+	t.Log(b.String())
 }
 
 // checkBurst fails unless every claim ran, exited 0 with the fork's README, and left
