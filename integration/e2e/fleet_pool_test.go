@@ -44,6 +44,7 @@ func TestPoolRunRemoteFork(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	t.Cleanup(other.Settle) // a pull's objects reach their names in the background
 	r, err := remote.Open(remote.Config{URL: url, Endpoint: srv.Endpoint()})
 	if err != nil {
 		t.Fatal(err)
@@ -175,6 +176,7 @@ func TestPoolRunRemoteFork(t *testing.T) {
 		if !rep.Healthy() {
 			t.Fatalf("fsck of %s pulled into an empty store: missing %v, bad %v", h, rep.Missing, rep.Bad)
 		}
+		fresh.Settle()
 		os.RemoveAll(fresh.Root())
 	}
 	waitPool(t, s, "box", 1) // the pool refilled; the stack's cleanup drains it
