@@ -116,6 +116,9 @@ func watchSlowWorkload(t testing.TB, s *stack.Stack, member string, done <-chan 
 	state, _ := os.ReadFile(filepath.Join(dir, "freezer.state"))
 	fmt.Fprintf(&b, "member %s still running after %v; freezer %s", member, slowWorkload, strings.TrimSpace(string(state)))
 	tasks, _ := os.ReadFile(filepath.Join(dir, "tasks"))
+	if len(strings.Fields(string(tasks))) == 0 {
+		b.WriteString("; no process left in its cgroup: the workload has exited, its exit has not reached tidepoold")
+	}
 	for _, pid := range strings.Fields(string(tasks)) {
 		cmd, _ := os.ReadFile(filepath.Join("/proc", pid, "cmdline"))
 		stat, _ := os.ReadFile(filepath.Join("/proc", pid, "stat"))
