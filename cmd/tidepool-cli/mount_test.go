@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -14,6 +15,9 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/moby/sys/mountinfo"
+	"golang.org/x/sys/unix"
 
 	"github.com/tidepool-dev/tidepool/casstore"
 	"github.com/tidepool-dev/tidepool/casstore/forks"
@@ -118,7 +122,17 @@ func (e *cliEnv) start(t *testing.T, dir string, args ...string) *exec.Cmd {
 	}
 	t.Cleanup(func() {
 		cmd.Process.Kill()
-		cmd.Wait()
+		// A server killed while a file of its own view is open cannot finish
+		// exiting: closing that file sends the view a FLUSH only the dead server
+		// could answer. If it hangs, abort the view's FUSE connection.
+		done := make(chan struct{})
+		go func() { cmd.Wait(); close(done) }()
+		select {
+		case <-done:
+		case <-time.After(5 * time.Second):
+			t.Logf("mount server of %s stuck exiting; aborting its FUSE connection: %v", dir, abortFUSE(dir))
+			<-done
+		}
 		fuse.UnmountStale(dir)
 	})
 	deadline := time.Now().Add(20 * time.Second)
@@ -129,6 +143,23 @@ func (e *cliEnv) start(t *testing.T, dir string, args ...string) *exec.Cmd {
 		time.Sleep(10 * time.Millisecond)
 	}
 	return cmd
+}
+
+// abortFUSE aborts the FUSE connection of the view mounted at dir, through the fusectl
+// filesystem (mounted at /sys/fs/fuse/connections first if it is not).
+func abortFUSE(dir string) error {
+	ms, err := mountinfo.GetMounts(mountinfo.SingleEntryFilter(dir))
+	if err != nil || len(ms) == 0 {
+		return fmt.Errorf("no mount at %s: %v", dir, err)
+	}
+	const ctl = "/sys/fs/fuse/connections"
+	conn := filepath.Join(ctl, strconv.Itoa(ms[len(ms)-1].Minor))
+	if _, err := os.Stat(conn); err != nil {
+		if err := unix.Mount("none", ctl, "fusectl", 0, ""); err != nil {
+			return fmt.Errorf("mount fusectl: %w", err)
+		}
+	}
+	return os.WriteFile(filepath.Join(conn, "abort"), []byte("1"), 0)
 }
 
 func isView(t *testing.T, dir string) bool {
