@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"io/fs"
+	"maps"
 	"os"
 	"path/filepath"
 	"strings"
@@ -55,25 +56,27 @@ type journalEntry struct {
 }
 
 // addLate makes objects readable before they are under their names.
-func (s *Store) addLate(objects map[Hash][]byte) {
-	l := &s.late
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	if l.objects == nil {
-		l.objects = map[Hash][]byte{}
-	}
-	for h, data := range objects {
-		l.objects[h] = data
-	}
-}
+func (s *Store) addLate(objects map[Hash][]byte) { lateAdd(&s.late, &s.late.objects, objects) }
 
 // dropLate forgets objects that are now under their names.
-func (s *Store) dropLate(objects []Hash) {
-	l := &s.late
+func (s *Store) dropLate(objects []Hash) { lateDrop(&s.late, &s.late.objects, objects) }
+
+// lateAdd adds to one of l's indexes (held objects, journal entries) under its lock.
+func lateAdd[V any](l *lateObjects, index *map[Hash]V, add map[Hash]V) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if *index == nil {
+		*index = make(map[Hash]V, len(add))
+	}
+	maps.Copy(*index, add)
+}
+
+// lateDrop removes objects from one of l's indexes under its lock.
+func lateDrop[V any](l *lateObjects, index *map[Hash]V, objects []Hash) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	for _, h := range objects {
-		delete(l.objects, h)
+		delete(*index, h)
 	}
 }
 
@@ -125,26 +128,11 @@ func (s *Store) placeObject(h Hash, data []byte) error {
 // addLateEntries makes objects of a committed journal (stream.go) readable before
 // they are under their names.
 func (s *Store) addLateEntries(entries map[Hash]journalEntry) {
-	l := &s.late
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	if l.entries == nil {
-		l.entries = map[Hash]journalEntry{}
-	}
-	for h, e := range entries {
-		l.entries[h] = e
-	}
+	lateAdd(&s.late, &s.late.entries, entries)
 }
 
 // dropLateEntries forgets journal entries whose objects are now under their names.
-func (s *Store) dropLateEntries(objects []Hash) {
-	l := &s.late
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	for _, h := range objects {
-		delete(l.entries, h)
-	}
-}
+func (s *Store) dropLateEntries(objects []Hash) { lateDrop(&s.late, &s.late.entries, objects) }
 
 func (s *Store) lateEntry(h Hash) (journalEntry, bool) {
 	l := &s.late
