@@ -88,7 +88,7 @@ type adopted struct {
 func (a *adopted) watch() {
 	a.once.Do(func() {
 		go func() {
-			a.status = <-a.m.exited
+			a.status = a.m.exitStatus()
 			close(a.done)
 		}()
 	})

@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -44,6 +45,15 @@ type Member struct {
 	container  containerd.Container
 	task       containerd.Task
 	exited     <-chan containerd.ExitStatus // waited on from creation, off the claim path
+	// ended: its task's exit came through exited, so its teardown is a delete alone.
+	ended atomic.Bool
+}
+
+// exitStatus receives the member's exit status and records that its task ended.
+func (m *Member) exitStatus() containerd.ExitStatus {
+	st := <-m.exited
+	m.ended.Store(true)
+	return st
 }
 
 // Pool is one template's members in one containerd namespace.
@@ -452,7 +462,14 @@ func (p *Pool) destroy(ctx context.Context, m *Member) {
 	ctx = p.nsContext(context.WithoutCancel(ctx))
 	// Teardown is background work: let the claims under way finish first.
 	p.c.claims.yield(ctx, nil)
-	if m.task != nil {
+	switch {
+	case m.task != nil && m.ended.Load():
+		// The exit is known, so nothing is left to kill, and a kill would cost a runc
+		// run under the task's lock in the shim for nothing (see the shim's reap.go).
+		if _, err := m.task.Delete(ctx); err != nil && !errdefs.IsNotFound(err) {
+			log.G(ctx).WithError(err).WithField("task", m.task.ID()).Warn("pools: cannot delete member task")
+		}
+	case m.task != nil:
 		killAndDelete(ctx, m.task, func() {
 			if m.cgroup != "" && !m.runcPaused {
 				p.c.cgroups.Thaw(m.cgroup) // frozen by freezeMember: containerd's resume cannot thaw it
@@ -511,6 +528,7 @@ func (p *Pool) finishOrphan(ctx context.Context, m *Member) {
 	defer p.release()
 	select {
 	case <-m.exited:
+		m.ended.Store(true)
 	case <-ctx.Done():
 		return // the next start adopts it again
 	}

@@ -186,6 +186,7 @@ func (c *Controller) Run(ctx context.Context, spec RunSpec, rio RunIO) (RunResul
 	for done := false; !done; {
 		select {
 		case status = <-wait:
+			m.ended.Store(true)
 			done = true
 		case sig := <-rio.Signals:
 			if err := m.task.Kill(ctx, sig); err != nil {
@@ -195,7 +196,7 @@ func (c *Controller) Run(ctx context.Context, spec RunSpec, rio RunIO) (RunResul
 			// The caller is gone: the workload goes too, but what it wrote so far is
 			// still committed below.
 			m.task.Kill(context.WithoutCancel(ctx), syscall.SIGKILL, containerd.WithKillAll)
-			status = <-wait
+			status = m.exitStatus()
 			done = true
 		}
 	}

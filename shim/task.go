@@ -35,7 +35,8 @@ const criContainerType = "io.kubernetes.cri.container-type"
 
 // RegisterTaskPlugin registers the task service with the shim's plugin registry. It
 // takes the place of containerd's task/plugin package, which must not be imported as
-// well: two ("io.containerd.ttrpc.v1", "task") registrations panic.
+// well: two ("io.containerd.ttrpc.v1", "task") registrations panic. The shim must be
+// run with WithConcurrentReaper: the task service reaps children itself (reap.go).
 func RegisterTaskPlugin() {
 	registry.Register(&plugin.Registration{
 		Type:     plugins.TTRPCPlugin,
@@ -50,6 +51,8 @@ func RegisterTaskPlugin() {
 			if err != nil {
 				return nil, err
 			}
+			// RunShim was given WithConcurrentReaper: the reaping is ours (reap.go).
+			serveChildExits()
 			local, err := task.NewTaskService(ic.Context, pp.(shim.Publisher), ss.(shutdown.Service))
 			if err != nil {
 				return nil, err
@@ -76,6 +79,7 @@ type TaskService struct {
 	inflight  int        // creates under way
 	exiting   bool
 	idleTimer *time.Timer
+	logBundle string // whose log FIFO stderr is (grouplog.go)
 }
 
 func (s *TaskService) bundle(id string) (string, bool) {
@@ -185,6 +189,7 @@ func (s *TaskService) Delete(ctx context.Context, r *taskapi.DeleteRequest) (*ta
 			releaseNetns(b)
 			s.mu.Lock()
 			delete(s.bundles, r.ID)
+			s.moveLogLocked(b)
 			s.mu.Unlock()
 			s.idle(time.Second)
 		}

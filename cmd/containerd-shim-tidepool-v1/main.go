@@ -13,5 +13,5 @@ import (
 
 func main() {
 	tpshim.RegisterTaskPlugin()
-	shim.RunShim(context.Background(), tpshim.NewManager())
+	shim.RunShim(context.Background(), tpshim.NewManager(), tpshim.WithConcurrentReaper)
 }

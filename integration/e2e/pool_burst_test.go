@@ -10,6 +10,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -130,6 +131,29 @@ func watchSlowWorkload(t testing.TB, s *stack.Stack, member string, done <-chan 
 			st = fields[2]
 		}
 		fmt.Fprintf(&b, "\n  pid %s %q state %s wchan %s\n%s", pid, strings.ReplaceAll(string(cmd), "\x00", " "), st, wchan, stack)
+	}
+	// Zombies of the shims: an exited workload its shim has not reaped yet.
+	shims, _ := harness.ShimProcesses(s.C.Address)
+	for _, sh := range shims {
+		for _, z := range harness.Zombies(sh.Pid) {
+			fmt.Fprintf(&b, "\n  zombie %d, child of shim %d, not reaped", z, sh.Pid)
+		}
+	}
+	// Goroutine dumps of the shims and containerd (SIGUSR1: into containerd's log).
+	for _, sh := range shims {
+		syscall.Kill(sh.Pid, syscall.SIGUSR1)
+	}
+	if pid := s.C.Pid(); pid != 0 {
+		syscall.Kill(pid, syscall.SIGUSR1)
+	}
+	time.Sleep(time.Second)
+	if dst := os.Getenv("TIDEPOOL_BURST_DUMPS"); dst != "" {
+		if log, err := os.ReadFile(s.C.LogPath); err == nil {
+			name := filepath.Join(dst, fmt.Sprintf("burst-%s-%d.log", member, time.Now().Unix()))
+			if err := os.WriteFile(name, log, 0o600); err == nil {
+				fmt.Fprintf(&b, "\n  containerd's log with the stack dumps: %s", name)
+			}
+		}
 	}
 	t.Log(b.String())
 }

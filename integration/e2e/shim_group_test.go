@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 	"syscall"
 	"testing"
@@ -15,6 +16,7 @@ import (
 	"github.com/containerd/containerd/v2/pkg/oci"
 
 	"github.com/tidepool-dev/tidepool/binding"
+	"github.com/tidepool-dev/tidepool/integration/harness"
 	"github.com/tidepool-dev/tidepool/integration/imagebuild"
 	"github.com/tidepool-dev/tidepool/integration/stack"
 	"github.com/tidepool-dev/tidepool/shim"
@@ -178,4 +180,82 @@ func TestShimGroupDrainRace(t *testing.T) {
 			os.Remove(cg)
 		}
 	}
+}
+
+// TestShimGroupLogOutlivesFirstMember: a group's shim logs into the log FIFO of the
+// container that started it, which containerd stops reading when that container is
+// deleted; the shim then moves its log to another container's FIFO, so what it logs
+// later (here the goroutine dump SIGUSR1 asks for) still reaches containerd's log.
+func TestShimGroupLogOutlivesFirstMember(t *testing.T) {
+	s := stack.Start(t, stack.Options{})
+	s.C.ImportImage(t, imagebuild.BusyboxArchive(t).Path, imagebuild.BusyboxRef)
+	cl, err := s.C.Client(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := s.C.Context(context.Background())
+	image, err := cl.GetImage(ctx, imagebuild.BusyboxRef)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ann := map[string]string{binding.AnnotationShimGroup: "log", binding.AnnotationShimGroupGrace: "0s"}
+	var tasks []containerd.Task
+	for i := 0; i < 2; i++ {
+		id := fmt.Sprintf("log-%d", i)
+		ctr, err := cl.NewContainer(ctx, id, containerd.WithImage(image), containerd.WithNewSnapshot(id, image),
+			containerd.WithRuntime(shim.RuntimeName, nil),
+			containerd.WithNewSpec(oci.WithImageConfig(image), oci.WithProcessArgs("sleep", "1000"), oci.WithAnnotations(ann)))
+		if err != nil {
+			t.Fatal(err)
+		}
+		task, err := ctr.NewTask(ctx, cio.NullIO)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := task.Start(ctx); err != nil {
+			t.Fatal(err)
+		}
+		tasks = append(tasks, task)
+	}
+	remove := func(task containerd.Task) {
+		t.Helper()
+		if _, err := task.Delete(ctx, containerd.WithProcessKill); err != nil {
+			t.Fatal(err)
+		}
+		ctr, err := cl.LoadContainer(ctx, task.ID())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := ctr.Delete(ctx, containerd.WithSnapshotCleanup); err != nil {
+			t.Fatal(err)
+		}
+	}
+	shims, err := harness.ShimProcesses(s.C.Address)
+	if err != nil || len(shims) != 1 {
+		t.Fatalf("want the group's one shim, have %v (%v)", shims, err)
+	}
+	remove(tasks[0])
+	time.Sleep(500 * time.Millisecond) // containerd closes the first FIFO's reader
+	syscall.Kill(shims[0].Pid, syscall.SIGUSR1)
+	want := fmt.Sprintf("pid=%d", shims[0].Pid)
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		b, _ := os.ReadFile(s.C.LogPath)
+		found := false
+		for _, line := range strings.Split(string(b), "\n") {
+			if strings.Contains(line, "BEGIN goroutine stack dump") && strings.Contains(line, want) {
+				found = true
+				break
+			}
+		}
+		if found {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the group shim's goroutine dump (%s) did not reach containerd's log after its first member was deleted", want)
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	remove(tasks[1])
+	s.C.LeakCheck(t)
 }

@@ -305,3 +305,32 @@ func TaskParents(tasksLs string, ids ...string) map[int]bool {
 	}
 	return parents
 }
+
+// Zombies lists the children of parent that have exited and not been reaped.
+func Zombies(parent int) []int {
+	entries, _ := os.ReadDir("/proc")
+	var out []int
+	for _, e := range entries {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		stat, err := os.ReadFile(filepath.Join("/proc", e.Name(), "stat"))
+		if err != nil {
+			continue
+		}
+		// pid (comm) state ppid ...: comm may hold spaces, so cut at its last ')'.
+		i := strings.LastIndexByte(string(stat), ')')
+		if i < 0 {
+			continue
+		}
+		f := strings.Fields(string(stat[i+1:]))
+		if len(f) < 2 || f[0] != "Z" {
+			continue
+		}
+		if ppid, _ := strconv.Atoi(f[1]); ppid == parent {
+			out = append(out, pid)
+		}
+	}
+	return out
+}
