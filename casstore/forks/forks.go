@@ -119,6 +119,19 @@ func IsID(s string) bool {
 	return err == nil
 }
 
+// CheckLabel refuses labels that ROOT|FORK arguments could never resolve to the
+// fork: a 64-character string is always read as a root hash, and a label shaped like
+// a fork id would be shadowed by a fork with that id.
+func CheckLabel(l string) error {
+	switch {
+	case casstore.LooksLikeHash(l):
+		return fmt.Errorf("label %q has the length of a root hash and could never be resolved: %w", l, errdefs.ErrInvalidArgument)
+	case IsID(l):
+		return fmt.Errorf("label %q has the shape of a fork id: %w", l, errdefs.ErrInvalidArgument)
+	}
+	return nil
+}
+
 // Target is what a "ROOT|FORK" argument names: a root, and the fork it came from if
 // it was a fork.
 type Target struct {

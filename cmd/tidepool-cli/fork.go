@@ -2,13 +2,13 @@ package main
 
 import (
 	"fmt"
-	"strings"
 
 	"github.com/containerd/errdefs"
 	"github.com/spf13/cobra"
 
 	"github.com/tidepool-dev/tidepool/casstore"
 	"github.com/tidepool-dev/tidepool/casstore/forks"
+	"github.com/tidepool-dev/tidepool/internal/branchcmd"
 )
 
 func init() { commands = append(commands, newForkCommand) }
@@ -100,33 +100,7 @@ binding, the pause). Continue a branch in a warm pool member with
 	return cmd
 }
 
-// checkLabel refuses labels that ROOT|FORK arguments could never resolve to the
-// fork: a 64-character string is always read as a root hash, and a label shaped
-// like a fork id would be shadowed by a fork with that id.
-func checkLabel(l string) error {
-	switch {
-	case casstore.LooksLikeHash(l):
-		return fmt.Errorf("label %q has the length of a root hash and could never be resolved: %w", l, errdefs.ErrInvalidArgument)
-	case forks.IsID(l):
-		return fmt.Errorf("label %q has the shape of a fork id: %w", l, errdefs.ErrInvalidArgument)
-	}
-	return nil
-}
+// checkLabel is forks.CheckLabel.
+func checkLabel(l string) error { return forks.CheckLabel(l) }
 
-func parseLabels(kvs []string) (map[string]string, error) {
-	if len(kvs) == 0 {
-		return nil, nil
-	}
-	out := make(map[string]string, len(kvs))
-	for _, kv := range kvs {
-		k, v, ok := strings.Cut(kv, "=")
-		if !ok || k == "" {
-			return nil, fmt.Errorf("--label-kv %q: want KEY=VALUE: %w", kv, errdefs.ErrInvalidArgument)
-		}
-		if _, dup := out[k]; dup {
-			return nil, fmt.Errorf("--label-kv: key %q given twice: %w", k, errdefs.ErrInvalidArgument)
-		}
-		out[k] = v
-	}
-	return out, nil
-}
+func parseLabels(kvs []string) (map[string]string, error) { return branchcmd.ParseLabels(kvs) }

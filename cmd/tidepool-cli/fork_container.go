@@ -1,10 +1,7 @@
 package main
 
 import (
-	"encoding/json"
 	"fmt"
-	"os"
-	"strings"
 
 	"github.com/containerd/errdefs"
 	"github.com/spf13/cobra"
@@ -12,6 +9,7 @@ import (
 
 	apiv1 "github.com/tidepool-dev/tidepool/api/v1"
 	"github.com/tidepool-dev/tidepool/casstore/forks"
+	"github.com/tidepool-dev/tidepool/internal/branchcmd"
 	"github.com/tidepool-dev/tidepool/localapi"
 )
 
@@ -22,32 +20,7 @@ type branchFlags struct {
 	json                 bool
 }
 
-func defaultNamespace() string {
-	if ns := os.Getenv("CONTAINERD_NAMESPACE"); ns != "" {
-		return ns
-	}
-	return "default"
-}
-
-// branchJSON is `tidepool fork --container --json`'s output.
-type branchJSON struct {
-	Container   string        `json:"container"`
-	Namespace   string        `json:"namespace"`
-	SnapshotKey string        `json:"snapshot_key"`
-	ForkID      string        `json:"fork_id"`
-	Base        string        `json:"base"`
-	Root        string        `json:"root"`
-	Forks       []*forks.Fork `json:"forks"`
-	Pause       string        `json:"pause"`
-	PausedMs    float64       `json:"paused_ms"`
-	WalkMs      float64       `json:"walk_ms"`
-	TotalMs     float64       `json:"total_ms"`
-	Files       int64         `json:"files"`
-	LookupMs    float64       `json:"lookup_ms"`
-	FreezeMs    float64       `json:"freeze_ms"`
-	PublishMs   float64       `json:"publish_ms"`
-	RecordMs    float64       `json:"record_ms"`
-}
+func defaultNamespace() string { return branchcmd.DefaultNamespace() }
 
 func (a *app) forkContainer(cmd *cobra.Command, req forks.CreateRequest, br branchFlags) error {
 	ctx := cmd.Context()
@@ -75,27 +48,9 @@ func (a *app) forkContainer(cmd *cobra.Command, req forks.CreateRequest, br bran
 		}
 		return err
 	}
-	out := branchJSON{
-		Container: res.GetContainerId(), Namespace: res.GetNamespace(), SnapshotKey: res.GetSnapshotKey(),
-		ForkID: res.GetForkId(), Base: res.GetBase(), Root: res.GetRoot(), Pause: res.GetPause(),
-		PausedMs: res.GetPausedMs(), WalkMs: res.GetWalkMs(), TotalMs: res.GetTotalMs(), Files: res.GetFiles(),
-		LookupMs: res.GetLookupMs(), FreezeMs: res.GetFreezeMs(), PublishMs: res.GetPublishMs(), RecordMs: res.GetRecordMs(),
+	out, err := localapi.Branched(res)
+	if err != nil {
+		return err
 	}
-	for _, p := range res.GetForks() {
-		f, err := localapi.ForkFromProto(p)
-		if err != nil {
-			return err
-		}
-		out.Forks = append(out.Forks, f)
-	}
-	w := cmd.OutOrStdout()
-	if br.json {
-		enc := json.NewEncoder(w)
-		enc.SetIndent("", "  ")
-		return enc.Encode(out)
-	}
-	for _, f := range out.Forks {
-		fmt.Fprintln(w, strings.TrimSpace(fmt.Sprintf("%s %s %s", f.ID, f.Root, f.Label)))
-	}
-	return nil
+	return branchcmd.Print(cmd.OutOrStdout(), out, br.json)
 }

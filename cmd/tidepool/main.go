@@ -1,5 +1,6 @@
-// Command tidepool is the CLI's front: it serves `tidepool run` itself and hands
-// every other command line to the full CLI, tidepool-cli, installed beside it.
+// Command tidepool is the CLI's front: it serves `tidepool run` and `tidepool fork
+// --container` itself and hands every other command line to the full CLI,
+// tidepool-cli, installed beside it.
 //
 // Why two binaries: a warm `tidepool run` is a ~20 ms claim inside tidepoold, and
 // the full CLI (cobra, containerd's client, the store, the S3 client, Prometheus)
@@ -22,7 +23,9 @@ import (
 
 	"github.com/spf13/pflag"
 
+	"github.com/tidepool-dev/tidepool/internal/branchcmd"
 	"github.com/tidepool-dev/tidepool/internal/runcmd"
+	"github.com/tidepool-dev/tidepool/localapi/runwire"
 )
 
 // mainStarted is when this package was initialized, for --timings.
@@ -38,6 +41,9 @@ const DefaultRoot = "/var/lib/tidepool"
 func main() {
 	if rest, ok := runArgs(os.Args[1:]); ok {
 		os.Exit(run(rest))
+	}
+	if forkContainerArgs(os.Args[1:]) {
+		os.Exit(forkContainer(os.Args[1:]))
 	}
 	execFull()
 }
@@ -68,6 +74,33 @@ func runArgs(args []string) ([]string, bool) {
 	return nil, false
 }
 
+// forkContainerArgs says whether the command line is a `fork --container` the front
+// serves: global flags it knows, then "fork" with --container; help goes to the full CLI.
+func forkContainerArgs(args []string) bool {
+	for i := 0; i < len(args); i++ {
+		a := args[i]
+		switch {
+		case a == "fork":
+			container := false
+			for _, r := range args[i+1:] {
+				switch {
+				case r == "-h" || r == "--help":
+					return false
+				case r == "--container" || hasPrefix(r, "--container="):
+					container = true
+				}
+			}
+			return container
+		case a == "--root" || a == "--api-address" || a == "--log-level":
+			i++ // its value
+		case len(a) > 2 && (hasPrefix(a, "--root=") || hasPrefix(a, "--api-address=") || hasPrefix(a, "--log-level=")):
+		default:
+			return false
+		}
+	}
+	return false
+}
+
 func hasPrefix(s, p string) bool { return len(s) >= len(p) && s[:len(p)] == p }
 
 // run parses the whole command line (global flags may also follow "run", as with the
@@ -96,6 +129,37 @@ func run(args []string) int {
 	switch {
 	case errors.As(err, &exit):
 		return exit.Status
+	case err != nil:
+		fmt.Fprintf(os.Stderr, "tidepool: %v\n", err)
+		return 1
+	}
+	return 0
+}
+
+// forkContainer serves `tidepool fork --container ...` over tidepoold's run socket
+// (package branchcmd); anything it cannot serve goes to the full CLI: a flag it does
+// not know, a positional argument, or no run socket to talk to (the full CLI then uses
+// the API, or says why there is none).
+func forkContainer(args []string) int {
+	f := pflag.NewFlagSet("tidepool fork", pflag.ContinueOnError)
+	f.SetOutput(io.Discard)
+	f.Usage = func() {}
+	root := f.String("root", DefaultRoot, "Tidepool root directory")
+	api := f.String("api-address", "", "tidepoold API socket")
+	f.String("log-level", "warn", "log level on stderr")
+	var o branchcmd.Options
+	o.Register(f)
+	if err := f.Parse(args); err != nil || len(f.Args()) != 1 {
+		execFull() // the full CLI parses it and says what is wrong
+	}
+	addr := *api
+	if addr == "" {
+		addr = runcmd.APIAddress(*root)
+	}
+	err := branchcmd.Run(&o, addr, os.Stdout)
+	switch {
+	case errors.Is(err, runwire.ErrDial):
+		execFull()
 	case err != nil:
 		fmt.Fprintf(os.Stderr, "tidepool: %v\n", err)
 		return 1

@@ -6,6 +6,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"reflect"
 	"sort"
 	"strconv"
 	"strings"
@@ -399,4 +400,88 @@ func waitViewsReleased(t testing.TB, s *stack.Stack) {
 		}
 		return ""
 	})
+}
+
+// TestBranchFront: `tidepool fork --container` is served by the front binary alone
+// (over the run socket; no full CLI beside it or on PATH), and answers exactly as the
+// full CLI does: for one request id both return the same forks, the same JSON fields
+// and the same lines, and a refusal reads the same.
+func TestBranchFront(t *testing.T) {
+	s := stack.Start(t, stack.Options{})
+	s.C.ImportImage(t, imagebuild.BusyboxArchive(t).Path, imagebuild.BusyboxRef, "tidepool")
+	root := s.Ingest(t, writeTree(t, appSource))
+	s.MustCtr(t, append(append([]string{"run", "-d", "--fifo-dir", s.C.FIFODir}, forkLabels(root, branchWorkdir)...),
+		imagebuild.BusyboxRef, "front", "sh", "-c", "echo x > /src/new.txt; exec sleep 1000")...)
+	proot := fmt.Sprintf("/proc/%d/root", taskPid(t, s, "front"))
+	waitFile(t, s, proot+"/src/new.txt")
+
+	alone := t.TempDir()
+	b, err := os.ReadFile(filepath.Join(s.Bin, "tidepool"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	front := filepath.Join(alone, "tidepool")
+	if err := os.WriteFile(front, b, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	run := func(bin string, args ...string) (string, string, error) {
+		cmd := exec.Command(bin, append([]string{"--root", s.Root, "fork", "--container", "front", "--namespace", s.C.Namespace}, args...)...)
+		cmd.Env = append(os.Environ(), "PATH="+alone+":/usr/bin:/bin")
+		var stdout, stderr strings.Builder
+		cmd.Stdout, cmd.Stderr = &stdout, &stderr
+		err := cmd.Run()
+		return stdout.String(), stderr.String(), err
+	}
+	full := filepath.Join(s.Bin, "tidepool-cli")
+	scrub := func(out string) map[string]any {
+		var m map[string]any
+		if err := json.Unmarshal([]byte(out), &m); err != nil {
+			t.Fatalf("%v: %q", err, out)
+		}
+		for k := range m {
+			if strings.HasSuffix(k, "_ms") {
+				delete(m, k)
+			}
+		}
+		return m
+	}
+	args := []string{"--count", "2", "--label", "try", "--label-kv", "k=v", "--request-id", "front-1", "--json"}
+	fo, fe, err := run(front, args...)
+	if err != nil {
+		t.Fatalf("front alone: %v: %s", err, fe)
+	}
+	co, ce, err := run(full, args...)
+	if err != nil {
+		t.Fatalf("full CLI: %v: %s", err, ce)
+	}
+	if f, c := scrub(fo), scrub(co); !reflect.DeepEqual(f, c) {
+		t.Fatalf("the front and the full CLI answer differently:\nfront %s\nfull  %s", fo, co)
+	}
+	var res branchResult
+	json.Unmarshal([]byte(fo), &res)
+	if len(res.Forks) != 2 || res.Forks[0].Label != "try-1" || res.Forks[1].Label != "try-2" || res.Forks[0].Labels["k"] != "v" {
+		t.Fatalf("branch answer %s", fo)
+	}
+	if d := s.MustTidepool(t, "diff", root, res.Forks[0].ID); d != "A new.txt\n" {
+		t.Fatalf("branch changes %q", d)
+	}
+	lines, _, err := run(front, "--count", "2", "--label", "try", "--label-kv", "k=v", "--request-id", "front-1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := fmt.Sprintf("%s %s try-1\n%s %s try-2\n", res.Forks[0].ID, res.Forks[0].Root, res.Forks[1].ID, res.Forks[1].Root)
+	if cl, _, _ := run(full, "--count", "2", "--label", "try", "--label-kv", "k=v", "--request-id", "front-1"); lines != want || cl != want {
+		t.Fatalf("lines: front %q, full %q, want %q", lines, cl, want)
+	}
+	for _, bad := range [][]string{{"--count", "0"}, {"--label-kv", "novalue"}, {"--label", strings.Repeat("a", 64)}} {
+		_, fe, ferr := run(front, bad...)
+		_, ce, cerr := run(full, bad...)
+		if ferr == nil || cerr == nil || fe != ce {
+			t.Errorf("%v: front %v %q, full CLI %v %q: want the same refusal", bad, ferr, fe, cerr, ce)
+		}
+	}
+	s.MustCtr(t, "task", "kill", "-s", "KILL", "front")
+	waitTaskGone(t, s, "front")
+	s.MustCtr(t, "container", "rm", "front")
+	waitViewsReleased(t, s)
 }

@@ -19,6 +19,7 @@ import (
 	"github.com/moby/locker"
 
 	apiv1 "github.com/tidepool-dev/tidepool/api/v1"
+	"github.com/tidepool-dev/tidepool/casstore/forks"
 	"github.com/tidepool-dev/tidepool/internal/freezer"
 	"github.com/tidepool-dev/tidepool/localapi"
 	"github.com/tidepool-dev/tidepool/snapshotter"
@@ -90,6 +91,9 @@ func (s containersServer) forkContainer(ctx context.Context, r *apiv1.ForkContai
 	}
 	if id == "" {
 		return nil, fmt.Errorf("fork of a container: no container id: %w", errdefs.ErrInvalidArgument)
+	}
+	if err := forks.CheckLabel(r.GetLabel()); err != nil {
+		return nil, err
 	}
 	if err := identifiers.Validate(ns); err != nil {
 		return nil, fmt.Errorf("container %s: namespace %q: %w", id, ns, err)

@@ -3,14 +3,20 @@ package apiserver
 import (
 	"context"
 	"errors"
+	"fmt"
+	"math"
 	"net"
 	"os"
 	"sync"
 	"syscall"
+	"time"
 
 	"github.com/containerd/errdefs"
 	"github.com/containerd/log"
+	"google.golang.org/protobuf/types/known/durationpb"
 
+	apiv1 "github.com/tidepool-dev/tidepool/api/v1"
+	"github.com/tidepool-dev/tidepool/localapi"
 	"github.com/tidepool-dev/tidepool/localapi/runwire"
 	"github.com/tidepool-dev/tidepool/pool"
 )
@@ -56,6 +62,10 @@ func (s *Server) serveRun(ctx context.Context, c *net.UnixConn) {
 		if werr := runwire.WriteFrame(c, runwire.Response{Error: wireError(err)}, nil); werr != nil {
 			log.WithError(werr).Debug("run socket: the caller went away before the error")
 		}
+	}
+	if first.Branch != nil {
+		s.serveBranch(ctx, c, first.Branch, len(stdio))
+		return
 	}
 	switch {
 	case s.Pools == nil:
@@ -126,6 +136,41 @@ func (s *Server) serveRun(ctx context.Context, c *net.UnixConn) {
 		fail(err)
 	case !sent:
 		send(res)
+	}
+}
+
+// serveBranch answers a Branch frame, the front binary's `tidepool fork --container`,
+// exactly as the API's Containers.Fork would.
+func (s *Server) serveBranch(ctx context.Context, c *net.UnixConn, b *runwire.Branch, fds int) {
+	resp := runwire.Response{}
+	res, err := func() (*runwire.Branched, error) {
+		if fds != 0 {
+			return nil, errdefs.ErrInvalidArgument.WithMessage("a branch request carries no descriptors")
+		}
+		req := &apiv1.ForkContainerRequest{Namespace: b.Namespace, ContainerId: b.Container, Count: int32(b.Count),
+			Label: b.Label, Labels: b.Labels, RequestId: b.RequestID}
+		if b.Count < 1 || b.Count > math.MaxInt32 {
+			return nil, fmt.Errorf("count %d: want at least 1: %w", b.Count, errdefs.ErrInvalidArgument)
+		}
+		if b.TTLSeconds < 0 {
+			return nil, fmt.Errorf("ttl %vs: must not be negative: %w", b.TTLSeconds, errdefs.ErrInvalidArgument)
+		}
+		if b.TTLSeconds > 0 {
+			req.Ttl = durationpb.New(time.Duration(b.TTLSeconds * float64(time.Second)))
+		}
+		out, err := containersServer{Server: s}.forkContainer(ctx, req)
+		if err != nil {
+			return nil, err
+		}
+		return localapi.Branched(out)
+	}()
+	if err != nil {
+		resp.Error = wireError(err)
+	} else {
+		resp.Branched = res
+	}
+	if werr := runwire.WriteFrame(c, resp, nil); werr != nil {
+		log.G(ctx).WithError(werr).WithField("socket", "run").Warn("run socket: the caller went away before the branch's answer")
 	}
 }
 

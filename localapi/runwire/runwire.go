@@ -16,7 +16,9 @@
 // descriptors in the first frame, then Requests carrying signals to forward; the
 // server answers with Responses: Started once the workload runs, then exactly one of
 // Exit or Error, and closes. A client that goes away ends the workload (its changes
-// are still committed). The socket is 0600 root, peers are checked on both ends.
+// are still committed). A Branch (branch.go) is the other request: one frame, no
+// descriptors, answered by one Branched or Error. The socket is 0600 root, peers are
+// checked on both ends.
 //
 // This package imports the standard library and golang.org/x/sys/unix only: it is
 // linked into the front binary, whose start-up time is the point.
@@ -57,8 +59,9 @@ type Start struct {
 // Request is a client frame: the Start (first frame only, with the stdio
 // descriptors) or a signal for the workload.
 type Request struct {
-	Start  *Start `json:"start,omitempty"`
-	Signal int    `json:"signal,omitempty"`
+	Start  *Start  `json:"start,omitempty"`
+	Signal int     `json:"signal,omitempty"`
+	Branch *Branch `json:"branch,omitempty"` // alone, as the only frame (branch.go)
 }
 
 // Step is one timed stage of the run inside tidepoold.
@@ -89,9 +92,10 @@ func (e *Error) Error() string { return e.Message }
 
 // Response is a server frame.
 type Response struct {
-	Started string `json:"started,omitempty"`
-	Exit    *Exit  `json:"exit,omitempty"`
-	Error   *Error `json:"error,omitempty"`
+	Started  string    `json:"started,omitempty"`
+	Exit     *Exit     `json:"exit,omitempty"`
+	Error    *Error    `json:"error,omitempty"`
+	Branched *Branched `json:"branched,omitempty"`
 }
 
 // ErrMalformed says a frame could not be read as the protocol's.
