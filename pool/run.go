@@ -235,7 +235,17 @@ func (c *Controller) claim(ctx context.Context, p *Pool, spec RunSpec, st *steps
 		}
 		st.mark("take")
 		if spec.Fork == "" {
-			return m, nil
+			if m.slot == "" {
+				return m, nil
+			}
+			// No fork: the slot shows what the rootfs would (the image's workdir).
+			if err = c.sn.OpenSlot(ctx, m.snapKey); err == nil {
+				st.mark("bind")
+				return m, nil
+			}
+			p.release()
+			go p.discard(context.WithoutCancel(ctx), m, "bind_failed")
+			return nil, fmt.Errorf("open the workdir of member %s: %w", m.id, err)
 		}
 		_, err = c.sn.Bind(ctx, snapshotter.BindRequest{Key: m.snapKey, Fork: spec.Fork, Discard: spec.Discard})
 		if err == nil {
