@@ -74,6 +74,7 @@ type Snapshots interface {
 	CheckLateBind(ctx context.Context, key string) error
 	SlotDir(ctx context.Context, key string) (string, error)
 	OpenSlot(ctx context.Context, key string) error
+	PrebuildSlotView(ctx context.Context, root casstore.Hash, owner string) error
 	Rekey(ctx context.Context, from, to string) error
 	Bind(ctx context.Context, req snapshotter.BindRequest) (snapshotter.BindResult, error)
 	CommitNow(ctx context.Context, key string) (forkID string, root casstore.Hash, err error)

@@ -146,6 +146,8 @@ func (s *fakeSnapshots) SlotDir(_ context.Context, key string) (string, error) {
 
 func (s *fakeSnapshots) OpenSlot(context.Context, string) error { return nil }
 
+func (s *fakeSnapshots) PrebuildSlotView(context.Context, casstore.Hash, string) error { return nil }
+
 func (s *fakeSnapshots) Rekey(_ context.Context, from, to string) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()

@@ -26,6 +26,7 @@ import (
 	specs "github.com/opencontainers/runtime-spec/specs-go"
 
 	"github.com/tidepool-dev/tidepool/binding"
+	"github.com/tidepool-dev/tidepool/casstore"
 	"github.com/tidepool-dev/tidepool/pool/holder"
 )
 
@@ -47,6 +48,7 @@ type Member struct {
 	// mounted there at claim (binding.LabelSlot); "" for a late-bound FUSE view in
 	// its rootfs.
 	slot      string
+	boundRoot casstore.Hash // the root a claim bound (slot members)
 	env       []string
 	container containerd.Container
 	task      containerd.Task

@@ -257,3 +257,42 @@ func mountsUnder(t testing.TB, dir string) []string {
 	}
 	return out
 }
+
+// TestSlotPrebuild: a view prebuilt for a root (the root a pool claim committed) is
+// what the next slot bind of that root mounts: built once, found by the bind.
+func TestSlotPrebuild(t *testing.T) {
+	requireRoot(t)
+	ctx := context.Background()
+	root := t.TempDir()
+	detachOnFailure(t, root)
+	e := newEnv(t, root)
+	k := e.views.Kernel()
+	if k == nil {
+		t.Skip("no kernel views: nothing to prebuild")
+	}
+	e.imageLayer(t, "layer1", imageFiles)
+	src := ingestFiles(t, e.store, sourceFiles)
+	if err := e.sn.PrebuildSlotView(ctx, src, "1000:1000"); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.sn.PrebuildSlotView(ctx, src, "1000"); err == nil || !strings.Contains(err.Error(), "owner") {
+		t.Fatalf("a bad owner: %v", err)
+	}
+	builds, hits := k.Stats().Builds.Load(), k.Stats().CacheHits.Load()
+	if builds != 1 {
+		t.Fatalf("%d images built, want 1", builds)
+	}
+	if _, err := e.sn.Prepare(ctx, "m", "layer1", labels(binding.LabelLateBind, "true", binding.LabelSlot, "true",
+		binding.LabelWorkdir, "/app", binding.LabelOwner, "1000:1000")); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.sn.Bind(ctx, snapshotter.BindRequest{Key: "m", Fork: src.String()}); err != nil {
+		t.Fatal(err)
+	}
+	if b, h := k.Stats().Builds.Load(), k.Stats().CacheHits.Load(); b != builds || h != hits+1 {
+		t.Fatalf("the bind built %d images and found %d cached, want 0 and 1", b-builds, h-hits)
+	}
+	if err := e.sn.Remove(ctx, "m"); err != nil {
+		t.Fatal(err)
+	}
+}

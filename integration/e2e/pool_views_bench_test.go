@@ -71,6 +71,17 @@ func claimPasses(b *testing.B, s *stack.Stack, pool, fork, workload string) (col
 	return d[0], d[1] / warmPasses
 }
 
+// newRoot commits one file named name over root with `tidepool commit`, outside any
+// pool, and returns the new root.
+func newRoot(b *testing.B, s *stack.Stack, root, name string) string {
+	b.Helper()
+	upper := b.TempDir()
+	if err := os.WriteFile(filepath.Join(upper, name), []byte(name+"\n"), 0o644); err != nil {
+		b.Fatal(err)
+	}
+	return strings.TrimSpace(s.MustTidepool(b, "commit", "--base", root, "--upper", upper))
+}
+
 // BenchmarkPoolViews: what a claimed warm-pool member's workdir costs, with the fork
 // bound late into a FUSE view in the member's rootfs (views.mode fuse: "fuse", and
 // with views.no_open: "noopen") and with a kernel view mounted onto the member's slot
@@ -79,16 +90,19 @@ func claimPasses(b *testing.B, s *stack.Stack, pool, fork, workload string) (col
 // the three:
 //   - claim latency, from the claim (the local API's Run) to the workload's first
 //     instruction (stamp), p50 and p99: "same", on one root each time (the kernel
-//     view's image built by the first claim, cached for the others), and "new", on a
-//     fork each claim advances (every claim's root is new: its image never built);
+//     view's image built by the first claim, cached for the others); "next", on a
+//     fork each claim advances (each claim's root is the one the previous claim
+//     committed, whose image the pool builds after that claim: see prebuild); and
+//     "never", on a new root committed outside the pool before each claim (`tidepool
+//     commit` of one file: an image never built, its trees but one decoded before);
 //   - reads in a claimed member, warm (the mean of warmPasses) and cold (caches
 //     dropped before the claim): `grep -r` and a full read of /src, as ratios
 //     against the same tree baked into the image on the overlayfs snapshotter, run
 //     by ctr (BenchmarkKernelViewReads's baseline).
 func BenchmarkPoolViews(b *testing.B) {
-	const target = 2
+	const members = 2
 	s := stack.Start(b, stack.Options{TidepooldConfig: func(s *stack.Stack) string {
-		return s.PoolConfig(stack.Pool{Name: "bb", Image: stampBusyboxRef, Workdir: "/src", Target: target})
+		return s.PoolConfig(stack.Pool{Name: "bb", Image: stampBusyboxRef, Workdir: "/src", Target: members})
 	}})
 	s.C.ImportImage(b, stampBusyboxImage(b), stampBusyboxRef, "tidepool")
 	s.C.ImportImage(b, bakedGoImage(b), bakedRef, "overlayfs")
@@ -107,7 +121,7 @@ func BenchmarkPoolViews(b *testing.B) {
 		{"grep", "grep -r func /src > /dev/null"},
 		{"read", "find /src -type f | xargs cat > /dev/null"},
 	}
-	claims := max(b.N*10, 20)
+	claims := max(20/b.N, 10) // per iteration
 	lat := map[string][]time.Duration{}
 	type acc struct{ cold, warm []time.Duration }
 	reads := map[string]*acc{}
@@ -131,19 +145,23 @@ func BenchmarkPoolViews(b *testing.B) {
 			if err := s.Daemon.Start(context.Background()); err != nil {
 				b.Fatalf("restart tidepoold: %v\n%s", err, s.Daemon.LogTail(40))
 			}
-			waitPool(b, s, "bb", target)
+			waitPool(b, s, "bb", members)
 			client, err := localapi.Dial(context.Background(), s.APIAddress, 5*time.Second)
 			if err != nil {
 				b.Fatal(err)
 			}
 			fork := runFork(b, s, root, fmt.Sprintf("bench-%s-%d", cfg.name, i))
-			for _, c := range []struct{ name, fork string }{{"same", root}, {"new", fork}} {
+			for _, c := range []struct{ name, fork string }{{"same", root}, {"next", fork}, {"never", ""}} {
 				k := cfg.name + "-" + c.name
 				for j := 0; j < claims; j++ {
-					waitIdle(b, s, "bb", target)
+					target := c.fork
+					if target == "" {
+						target = newRoot(b, s, root, fmt.Sprintf("%s-%d-%d", k, i, j))
+					}
+					waitIdle(b, s, "bb", members)
 					var out bytes.Buffer
 					start := time.Now()
-					exit, err := client.Run(context.Background(), &apiv1.RunStart{Pool: "bb", Fork: c.fork,
+					exit, err := client.Run(context.Background(), &apiv1.RunStart{Pool: "bb", Fork: target,
 						Args: []string{"sh", "-c", "/usr/local/bin/stamp && echo " + strconv.Itoa(j) + " > /src/.claim"}},
 						localapi.RunStreams{Stdout: &out, Stderr: &out})
 					if err != nil || exit.GetStatus() != 0 {
@@ -154,7 +172,7 @@ func BenchmarkPoolViews(b *testing.B) {
 			}
 			client.Close()
 			for _, w := range workloads {
-				waitIdle(b, s, "bb", target)
+				waitIdle(b, s, "bb", members)
 				c, wm := claimPasses(b, s, "bb", root, w.cmd)
 				add(w.name+"-"+cfg.name, c, wm)
 			}
@@ -168,7 +186,7 @@ func BenchmarkPoolViews(b *testing.B) {
 	b.Logf("load average at end: %s", loadAverage())
 	ms := func(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
 	for _, cfg := range configs {
-		for _, c := range []string{"same", "new"} {
+		for _, c := range []string{"same", "next", "never"} {
 			k := cfg.name + "-" + c
 			b.ReportMetric(ms(percentile(lat[k], 0.5)), "claim-"+k+"-p50-ms")
 			b.ReportMetric(ms(percentile(lat[k], 0.99)), "claim-"+k+"-p99-ms")
