@@ -98,7 +98,9 @@ func newRoot(b *testing.B, s *stack.Stack, root, name string) string {
 //   - reads in a claimed member, warm (the mean of warmPasses) and cold (caches
 //     dropped before the claim): `grep -r` and a full read of /src, as ratios
 //     against the same tree baked into the image on the overlayfs snapshotter, run
-//     by ctr (BenchmarkKernelViewReads's baseline).
+//     by ctr (BenchmarkKernelViewReads's baseline), each paired with a baseline run
+//     right after it; and, for reference, in a container started by ctr with the
+//     fork by label ("ctrkernel": a kernel view layered directly into its rootfs).
 func BenchmarkPoolViews(b *testing.B) {
 	const members = 2
 	s := stack.Start(b, stack.Options{TidepooldConfig: func(s *stack.Stack) string {
@@ -123,13 +125,22 @@ func BenchmarkPoolViews(b *testing.B) {
 	}
 	claims := max(20/b.N, 10) // per iteration
 	lat := map[string][]time.Duration{}
-	type acc struct{ cold, warm []time.Duration }
+	// Each figure is paired with one of the baked image taken right after it, and
+	// ratios are the median of the pairs': the shared machine's load drifts over the
+	// minutes a run takes.
+	type acc struct{ cold, warm, coldX, warmX []time.Duration }
 	reads := map[string]*acc{}
-	add := func(k string, c, w time.Duration) {
+	pair := func(k string, c, w, bc, bw time.Duration) {
 		if reads[k] == nil {
 			reads[k] = &acc{}
 		}
-		reads[k].cold, reads[k].warm = append(reads[k].cold, c), append(reads[k].warm, w)
+		r := reads[k]
+		r.cold, r.warm = append(r.cold, c), append(r.warm, w)
+		// Ratios kept as durations (x1000) so that median applies.
+		r.coldX, r.warmX = append(r.coldX, c*1000/bc), append(r.warmX, w*1000/bw)
+	}
+	baked := func(name string, i int, w string) (c, wm time.Duration) {
+		return timedPasses(b, s, fmt.Sprintf("%s-baked-%d", name, i), []string{"--snapshotter", "overlayfs"}, bakedRef, w)
 	}
 	b.Logf("load average at start: %s", loadAverage())
 	b.ResetTimer()
@@ -174,12 +185,18 @@ func BenchmarkPoolViews(b *testing.B) {
 			for _, w := range workloads {
 				waitIdle(b, s, "bb", members)
 				c, wm := claimPasses(b, s, "bb", root, w.cmd)
-				add(w.name+"-"+cfg.name, c, wm)
+				bc, bw := baked(w.name+"-"+cfg.name, i, w.cmd)
+				pair(w.name+"-"+cfg.name, c, wm, bc, bw)
+				pair(w.name+"-baked", bc, bw, bc, bw)
+				if cfg.name == "kernel" {
+					// The same tree in a container started cold by ctr with the fork
+					// by label: a kernel view layered directly into its rootfs.
+					c, wm := timedPasses(b, s, fmt.Sprintf("%s-ctr-%d", w.name, i), forkLabels(root, "/src"), stampBusyboxRef, w.cmd)
+					bc, bw := baked(w.name+"-ctr", i, w.cmd)
+					pair(w.name+"-ctrkernel", c, wm, bc, bw)
+					pair(w.name+"-baked", bc, bw, bc, bw)
+				}
 			}
-		}
-		for _, w := range workloads {
-			c, wm := timedPasses(b, s, fmt.Sprintf("%s-baked-%d", w.name, i), []string{"--snapshotter", "overlayfs"}, bakedRef, w.cmd)
-			add(w.name+"-baked", c, wm)
 		}
 	}
 	b.StopTimer()
@@ -195,15 +212,15 @@ func BenchmarkPoolViews(b *testing.B) {
 	// The kernel view's first claim on the tree is also the daemon's first scan of it.
 	b.ReportMetric(ms(lat["kernel-same"][0]), "claim-kernel-first-ms")
 	for _, w := range workloads {
-		baked := reads[w.name+"-baked"]
-		b.ReportMetric(ms(median(baked.warm)), w.name+"-warm-baked-ms")
-		b.ReportMetric(ms(median(baked.cold)), w.name+"-cold-baked-ms")
-		for _, cfg := range configs {
-			r := reads[w.name+"-"+cfg.name]
-			b.ReportMetric(ms(median(r.warm)), w.name+"-warm-"+cfg.name+"-ms")
-			b.ReportMetric(float64(median(r.warm))/float64(median(baked.warm)), w.name+"-warm-"+cfg.name+"-x")
-			b.ReportMetric(ms(median(r.cold)), w.name+"-cold-"+cfg.name+"-ms")
-			b.ReportMetric(float64(median(r.cold))/float64(median(baked.cold)), w.name+"-cold-"+cfg.name+"-x")
+		base := reads[w.name+"-baked"]
+		b.ReportMetric(ms(median(base.warm)), w.name+"-warm-baked-ms")
+		b.ReportMetric(ms(median(base.cold)), w.name+"-cold-baked-ms")
+		for _, name := range []string{"fuse", "noopen", "kernel", "ctrkernel"} {
+			r := reads[w.name+"-"+name]
+			b.ReportMetric(ms(median(r.warm)), w.name+"-warm-"+name+"-ms")
+			b.ReportMetric(float64(median(r.warmX))/1000, w.name+"-warm-"+name+"-x")
+			b.ReportMetric(ms(median(r.cold)), w.name+"-cold-"+name+"-ms")
+			b.ReportMetric(float64(median(r.coldX))/1000, w.name+"-cold-"+name+"-x")
 		}
 	}
 }
