@@ -27,6 +27,11 @@ const (
 	// LabelLateBind prepares the snapshot with an empty fork view whose tree is bound
 	// later (warm pools): the view exists in the overlay before the fork is known.
 	LabelLateBind = LabelPrefix + "latebind"
+	// LabelSlot, with LabelLateBind, prepares the snapshot with no view in its rootfs
+	// but a slot: a host directory, shared for mount propagation, that the container
+	// binds at the workdir (rslave) and onto which the bind mounts the fork's view,
+	// writable, at claim (warm pools with kernel views).
+	LabelSlot = LabelPrefix + "slot"
 )
 
 // OCI annotations, read by containerd-shim-tidepool-v1 at Create.
@@ -58,6 +63,9 @@ type Spec struct {
 	Discard bool
 	// LateBind prepares an empty view now; the fork is bound later.
 	LateBind bool
+	// Slot (with LateBind): the view is mounted at bind onto the snapshot's slot
+	// instead of sitting in its rootfs (LabelSlot).
+	Slot bool
 }
 
 // Prefix is the workdir relative to the rootfs, the path the fork view places its tree at.
@@ -68,12 +76,12 @@ func (s Spec) Owner() string { return fmt.Sprintf("%d:%d", s.UID, s.GID) }
 
 // Keys names the label or annotation keys a Spec is read from, so errors can name them.
 type Keys struct {
-	Fork, Workdir, Owner, Discard, LateBind string
+	Fork, Workdir, Owner, Discard, LateBind, Slot string
 }
 
 // LabelKeys and AnnotationKeys are the two entrances.
 var (
-	LabelKeys      = Keys{Fork: LabelFork, Workdir: LabelWorkdir, Owner: LabelOwner, Discard: LabelDiscard, LateBind: LabelLateBind}
+	LabelKeys      = Keys{Fork: LabelFork, Workdir: LabelWorkdir, Owner: LabelOwner, Discard: LabelDiscard, LateBind: LabelLateBind, Slot: LabelSlot}
 	AnnotationKeys = Keys{Fork: AnnotationFork, Workdir: AnnotationWorkdir, Owner: AnnotationOwner, Discard: AnnotationDiscard}
 )
 
@@ -95,6 +103,17 @@ func Parse(m map[string]string, keys Keys, def Defaults) (spec Spec, ok bool, er
 			}
 		}
 	}
+	slot := false
+	if keys.Slot != "" {
+		if v, has := m[keys.Slot]; has {
+			if slot, err = parseBool(keys.Slot, v); err != nil {
+				return Spec{}, false, err
+			}
+			if slot && !late {
+				return Spec{}, false, invalid(keys.Slot, v, fmt.Sprintf("needs %s=true", keys.LateBind))
+			}
+		}
+	}
 	if !hasFork && !late {
 		for _, k := range []string{keys.Workdir, keys.Owner, keys.Discard} {
 			if _, has := m[k]; has && k != "" {
@@ -106,7 +125,7 @@ func Parse(m map[string]string, keys Keys, def Defaults) (spec Spec, ok bool, er
 	if hasFork && late {
 		return Spec{}, false, invalid(keys.LateBind, m[keys.LateBind], fmt.Sprintf("cannot be combined with %s", keys.Fork))
 	}
-	spec = Spec{Fork: fork, LateBind: late, UID: def.UID, GID: def.GID}
+	spec = Spec{Fork: fork, LateBind: late, Slot: slot, UID: def.UID, GID: def.GID}
 	if hasFork {
 		if err := CheckForkRef(fork); err != nil {
 			return Spec{}, false, invalid(keys.Fork, fork, err.Error())

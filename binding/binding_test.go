@@ -29,6 +29,10 @@ func TestParseLabels(t *testing.T) {
 	if err != nil || !ok || !spec.LateBind || spec.Fork != "" || spec.Prefix() != "srv/api" {
 		t.Fatalf("latebind: %+v %v %v", spec, ok, err)
 	}
+	spec, ok, err = Parse(map[string]string{LabelLateBind: "true", LabelSlot: "true"}, LabelKeys, Defaults{})
+	if err != nil || !ok || !spec.LateBind || !spec.Slot {
+		t.Fatalf("latebind with slot: %+v %v %v", spec, ok, err)
+	}
 }
 
 func TestParseRefusesBadInput(t *testing.T) {
@@ -49,6 +53,8 @@ func TestParseRefusesBadInput(t *testing.T) {
 		{map[string]string{LabelFork: root, LabelDiscard: "maybe"}, LabelDiscard},
 		{map[string]string{LabelWorkdir: "/app"}, LabelWorkdir},
 		{map[string]string{LabelFork: root, LabelLateBind: "true"}, LabelLateBind},
+		{map[string]string{LabelFork: root, LabelSlot: "true"}, LabelSlot},
+		{map[string]string{LabelLateBind: "true", LabelSlot: "yes please"}, LabelSlot},
 	}
 	for _, c := range cases {
 		_, _, err := Parse(c.m, LabelKeys, Defaults{})

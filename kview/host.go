@@ -101,6 +101,20 @@ func (h *Host) mount(ctx context.Context, dir string, spec Spec, imageOnly bool)
 	return nil
 }
 
+// Build builds spec's image into the cache unless it is there, without mounting it,
+// so that a view of that tree mounted later finds it built (a warm pool's next claim
+// on a fork's new root). It does not hydrate: a tree not all local fails with a
+// *MissingError.
+func (h *Host) Build(ctx context.Context, spec Spec) error {
+	if spec.Root.IsZero() {
+		return fmt.Errorf("kernel view image: no tree: %w", errdefs.ErrInvalidArgument)
+	}
+	h.cache.gate.RLock()
+	defer h.cache.gate.RUnlock()
+	_, err := h.cache.image(ctx, spec)
+	return err
+}
+
 // Unmount detaches the kernel view at dir; a dir without one is fine.
 func (h *Host) Unmount(_ context.Context, dir string) error { return unmountView(dir) }
 

@@ -11,9 +11,13 @@ import (
 )
 
 // newPoolController builds the controller from the configuration; it starts
-// connecting to containerd at once and keeps retrying until it answers.
+// connecting to containerd at once and keeps retrying until it answers. When the
+// views are kernel views (views.mode kernel, or auto on a kernel that serves them),
+// members get a slot and claims mount kernel views onto it (pool.Config.KernelViews).
 func newPoolController(c *Core) (*pool.Controller, error) {
-	return pool.NewController(poolConfig(c.Config), c.Snapshotter)
+	cfg := poolConfig(c.Config)
+	cfg.KernelViews = c.Views.Kernel() != nil
+	return pool.NewController(cfg, c.Snapshotter)
 }
 
 // poolConfig maps the [pools] section onto the controller's configuration.

@@ -198,6 +198,15 @@ func (h *ViewHost) Mount(ctx context.Context, dir string, spec snapshotter.ViewS
 	return nil
 }
 
+// Prebuild implements snapshotter.ViewHost: it builds the image of a tree that a
+// kernel view would show, unless the host serves no kernel views.
+func (h *ViewHost) Prebuild(ctx context.Context, spec snapshotter.ViewSpec) error {
+	if h.kernel == nil || spec.Root.IsZero() {
+		return nil
+	}
+	return h.kernel.Build(ctx, kview.Spec{Root: spec.Root, Prefix: spec.Prefix, UID: spec.UID, GID: spec.GID})
+}
+
 // Bind implements snapshotter.ViewHost.
 func (h *ViewHost) Bind(_ context.Context, dir string, root casstore.Hash) error {
 	h.mu.Lock()

@@ -156,7 +156,7 @@ func (c *Controller) Adopt(ctx context.Context, req AdoptRequest) (Adoption, err
 		release("error")
 		return Adoption{}, err
 	}
-	if reason := ineligible(memberSpec, req.Spec); reason != "" {
+	if reason := ineligible(withoutSlot(memberSpec, m.slot), req.Spec); reason != "" {
 		p.giveBack(m) // nothing touched it
 		return cold(reason)
 	}
@@ -197,6 +197,11 @@ func (c *Controller) Adopt(ctx context.Context, req AdoptRequest) (Adoption, err
 			return Adoption{}, err
 		}
 		a.ForkID, a.Root = res.ForkID, res.Root
+	} else if m.slot != "" {
+		if err := c.sn.OpenSlot(ctx, key); err != nil {
+			release("bind_failed")
+			return Adoption{}, err
+		}
 	}
 	a.Pid = m.task.Pid()
 	ad := &adopted{m: m, container: req.ContainerID, done: make(chan struct{})}

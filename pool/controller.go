@@ -57,6 +57,11 @@ type Config struct {
 	ShimConfig string
 	// Snapshotter is the name containerd knows the tidepool snapshotter by.
 	Snapshotter string
+	// KernelViews: the snapshotter serves kernel views (views.mode kernel, or auto
+	// on a kernel that supports them). Members on the runc route then get a slot
+	// (binding.LabelSlot) instead of a late-bound FUSE view in their rootfs, and a
+	// claim mounts the fork's kernel view onto it: see the package doc.
+	KernelViews bool
 	Templates   []Template
 }
 
@@ -67,6 +72,9 @@ type Snapshots interface {
 	KeyFromMounts(ctx context.Context, mounts []mount.Mount) (string, error)
 	Stat(ctx context.Context, key string) (snapshots.Info, error)
 	CheckLateBind(ctx context.Context, key string) error
+	SlotDir(ctx context.Context, key string) (string, error)
+	OpenSlot(ctx context.Context, key string) error
+	PrebuildSlotView(ctx context.Context, root casstore.Hash, owner string) error
 	Rekey(ctx context.Context, from, to string) error
 	Bind(ctx context.Context, req snapshotter.BindRequest) (snapshotter.BindResult, error)
 	CommitNow(ctx context.Context, key string) (forkID string, root casstore.Hash, err error)

@@ -1,10 +1,26 @@
 // Package pool keeps warm pools of pre-created, frozen containers so that a workload
 // with its source fork starts in milliseconds. A member is a real containerd container
-// (labelled with its pool, visible with ctr) whose rootfs is a tidepool snapshot with
-// an empty, late-bound fork view, whose task runs through the tidepool shim with
-// tidepool-holder as pid 1, and which is frozen once the holder is ready.
+// (labelled with its pool, visible with ctr) whose rootfs is a tidepool snapshot
+// prepared for a fork known only at claim, whose task runs through the tidepool shim
+// with tidepool-holder as pid 1, and which is frozen once the holder is ready.
 //
-// A claim binds the requested fork to the member's view, hands the holder the
+// How the fork gets into a running, frozen member depends on the views. With kernel
+// views (Config.KernelViews) a member on the runc route binds its snapshot's slot at
+// the workdir with rslave propagation (binding.LabelSlot; the snapshotter's slot.go),
+// and the claim mounts the fork's kernel view, writable, onto the slot on the host:
+// the mount propagates into the member. Otherwise (views.mode fuse, runsc) the
+// member's rootfs has an empty FUSE view that the claim binds. The slot was chosen
+// over keeping FUSE for members because agents read their source all day: in a
+// claimed member a warm full read of the Go tree took 1.17x the tree baked into the
+// image against 3.62x through FUSE, a warm `grep -r` 1.05x against 1.54x, for a
+// claim ~5-8 ms slower when the tree's image exists (cached, or built behind the
+// fork's previous claim: prebuild) and ~0.15 s slower when it must be built
+// (BenchmarkPoolViews; the README has the table). Mounting into the member's
+// namespace at claim (setns) was the other way: it needs no spec change, but a FUSE
+// view could not follow it there, and commit and removal would have nothing on the
+// host to read or unmount.
+//
+// A claim binds the requested fork to the member's view (or slot), hands the holder the
 // workload (argv, environment, working directory and stdio descriptors) over its
 // control socket, and thaws the task: the holder execs the workload, which becomes the
 // task's init process. When it exits, its changes are committed to the fork and the

@@ -140,6 +140,14 @@ func (s *fakeSnapshots) CheckLateBind(_ context.Context, key string) error {
 	return nil
 }
 
+func (s *fakeSnapshots) SlotDir(_ context.Context, key string) (string, error) {
+	return "/slots/" + key, nil
+}
+
+func (s *fakeSnapshots) OpenSlot(context.Context, string) error { return nil }
+
+func (s *fakeSnapshots) PrebuildSlotView(context.Context, casstore.Hash, string) error { return nil }
+
 func (s *fakeSnapshots) Rekey(_ context.Context, from, to string) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()

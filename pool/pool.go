@@ -8,6 +8,7 @@ import (
 	"os"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -15,15 +16,18 @@ import (
 
 	runtimeoptions "github.com/containerd/containerd/api/types/runtimeoptions/v1"
 	containerd "github.com/containerd/containerd/v2/client"
+	"github.com/containerd/containerd/v2/core/containers"
 	"github.com/containerd/containerd/v2/core/snapshots"
 	"github.com/containerd/containerd/v2/pkg/cio"
 	"github.com/containerd/containerd/v2/pkg/namespaces"
 	"github.com/containerd/containerd/v2/pkg/oci"
 	"github.com/containerd/errdefs"
 	"github.com/containerd/log"
+	"github.com/moby/sys/mountinfo"
 	specs "github.com/opencontainers/runtime-spec/specs-go"
 
 	"github.com/tidepool-dev/tidepool/binding"
+	"github.com/tidepool-dev/tidepool/casstore"
 	"github.com/tidepool-dev/tidepool/pool/holder"
 )
 
@@ -41,10 +45,15 @@ type Member struct {
 	// cgroup frozen by us (freezeMember), so containerd must resume it.
 	runcPaused bool
 	snapKey    string // the tidepool snapshotter's key of its rootfs
-	env        []string
-	container  containerd.Container
-	task       containerd.Task
-	exited     <-chan containerd.ExitStatus // waited on from creation, off the claim path
+	// slot is the host directory the member binds at its workdir when the fork is
+	// mounted there at claim (binding.LabelSlot); "" for a late-bound FUSE view in
+	// its rootfs.
+	slot      string
+	boundRoot casstore.Hash // the root a claim bound (slot members)
+	env       []string
+	container containerd.Container
+	task      containerd.Task
+	exited    <-chan containerd.ExitStatus // waited on from creation, off the claim path
 	// ended: its task's exit came through exited, so its teardown is a delete alone.
 	ended atomic.Bool
 }
@@ -303,6 +312,13 @@ func (p *Pool) create(ctx context.Context) (_ *Member, retErr error) {
 		const period = 100000
 		specOpts = append(specOpts, oci.WithCPUCFS(int64(p.t.CPUs*period), period))
 	}
+	snapLabels := map[string]string{
+		binding.LabelLateBind: "true", binding.LabelWorkdir: p.t.Workdir, binding.LabelOwner: p.t.Owner,
+	}
+	if p.slots() {
+		snapLabels[binding.LabelSlot] = "true"
+		specOpts = append(specOpts, p.withSlot(m))
+	}
 	var rtOpts any
 	if c.cfg.ShimConfig != "" {
 		rtOpts = &runtimeoptions.Options{ConfigPath: c.cfg.ShimConfig}
@@ -310,9 +326,7 @@ func (p *Pool) create(ctx context.Context) (_ *Member, retErr error) {
 	ctr, err := cl.NewContainer(ctx, id,
 		containerd.WithImage(image),
 		containerd.WithSnapshotter(c.cfg.Snapshotter),
-		containerd.WithNewSnapshot(id, image, snapshots.WithLabels(map[string]string{
-			binding.LabelLateBind: "true", binding.LabelWorkdir: p.t.Workdir, binding.LabelOwner: p.t.Owner,
-		})),
+		containerd.WithNewSnapshot(id, image, snapshots.WithLabels(snapLabels)),
 		containerd.WithRuntime(binding.RuntimeName, rtOpts),
 		containerd.WithNewSpec(specOpts...),
 		containerd.WithContainerLabels(map[string]string{
@@ -344,10 +358,77 @@ func (p *Pool) create(ctx context.Context) (_ *Member, retErr error) {
 	if err := holder.WaitReady(m.dir, 30*time.Second); err != nil {
 		return nil, err
 	}
+	if m.slot != "" {
+		if err := checkSlot(int(task.Pid()), p.t.Workdir); err != nil {
+			return nil, err
+		}
+	}
 	if err := freezeMember(ctx, m); err != nil {
 		return nil, fmt.Errorf("freeze member: %w", err)
 	}
 	return m, nil
+}
+
+// slots says whether the pool's members get a slot for a kernel view at claim:
+// kernel views are in use, and the member is a runc container, into whose mount
+// namespace the host's mounts propagate (runsc's gofer and a VM would not see them).
+func (p *Pool) slots() bool { return p.c.cfg.KernelViews && p.t.Runtime == "runc" }
+
+// withSlot binds the member's slot at the pool's workdir, rslave: a view the claim
+// mounts onto the slot on the host appears there, in the running, frozen member.
+// The slot belongs to the member's snapshot, prepared before the spec is made.
+func (p *Pool) withSlot(m *Member) oci.SpecOpts {
+	return func(ctx context.Context, _ oci.Client, ctr *containers.Container, s *oci.Spec) error {
+		c := p.c
+		mounts, err := c.containerd().SnapshotService(c.cfg.Snapshotter).Mounts(ctx, ctr.SnapshotKey)
+		if err != nil {
+			return fmt.Errorf("member rootfs mounts: %w", err)
+		}
+		key, err := c.sn.KeyFromMounts(ctx, mounts)
+		if err != nil {
+			return err
+		}
+		if m.slot, err = c.sn.SlotDir(ctx, key); err != nil {
+			return err
+		}
+		s.Mounts = append(s.Mounts, specs.Mount{Destination: p.t.Workdir, Type: "bind", Source: m.slot, Options: []string{"rbind", "rw", "rslave"}})
+		return nil
+	}
+}
+
+// checkSlot makes sure that mounts onto the slot reach the member: its workdir is a
+// slave mount (a runtime that made it private would leave the claim's view out).
+func checkSlot(pid int, workdir string) error {
+	ms, err := mountinfo.PidMountInfo(pid)
+	if err != nil {
+		return fmt.Errorf("member mounts: %w", err)
+	}
+	for i := len(ms) - 1; i >= 0; i-- {
+		if ms[i].Mountpoint != workdir {
+			continue
+		}
+		if !strings.Contains(ms[i].Optional, "master:") {
+			return fmt.Errorf("the member's workdir %s does not receive the host's mounts (propagation %q, want a slave): its runtime does not keep the slot's rslave propagation", workdir, ms[i].Optional)
+		}
+		return nil
+	}
+	return fmt.Errorf("the member has no mount at its workdir %s", workdir)
+}
+
+// withoutSlot is spec without the member's slot mount, for comparing it with a
+// container's own spec: the slot stands for the workdir the container gets.
+func withoutSlot(spec *specs.Spec, slot string) *specs.Spec {
+	if slot == "" {
+		return spec
+	}
+	out := *spec
+	out.Mounts = nil
+	for _, mt := range spec.Mounts {
+		if mt.Source != slot {
+			out.Mounts = append(out.Mounts, mt)
+		}
+	}
+	return &out
 }
 
 // describe fills what a claim needs from the member's container: its snapshot key in

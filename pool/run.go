@@ -221,9 +221,24 @@ func (c *Controller) Run(ctx context.Context, spec RunSpec, rio RunIO) (RunResul
 	c.teardowns.Add(1)
 	go func() {
 		defer c.teardowns.Done()
+		p.prebuild(bg, m, res.Root)
 		p.destroy(bg, m)
 	}()
 	return res, err
+}
+
+// prebuild builds, once claims are quiet, the kernel view of the root a slot
+// member's claim committed (its image), so that the fork's next claim mounts it
+// without building it; a claim that comes first builds it itself (and one that
+// comes during the build waits for it rather than building it twice).
+func (p *Pool) prebuild(ctx context.Context, m *Member, root casstore.Hash) {
+	if m.slot == "" || root.IsZero() || root == m.boundRoot {
+		return
+	}
+	p.c.claims.yield(ctx, nil)
+	if err := p.c.sn.PrebuildSlotView(ctx, root, p.t.Owner); err != nil {
+		log.G(ctx).WithError(err).WithField("member", m.id).WithField("root", root.Short()).Debug("pools: could not prebuild the view of a committed root")
+	}
 }
 
 // claim takes an idle member and binds the fork to its view. A member whose workdir
@@ -236,11 +251,23 @@ func (c *Controller) claim(ctx context.Context, p *Pool, spec RunSpec, st *steps
 		}
 		st.mark("take")
 		if spec.Fork == "" {
-			return m, nil
+			if m.slot == "" {
+				return m, nil
+			}
+			// No fork: the slot shows what the rootfs would (the image's workdir).
+			if err = c.sn.OpenSlot(ctx, m.snapKey); err == nil {
+				st.mark("bind")
+				return m, nil
+			}
+			p.release()
+			go p.discard(context.WithoutCancel(ctx), m, "bind_failed")
+			return nil, fmt.Errorf("open the workdir of member %s: %w", m.id, err)
 		}
-		_, err = c.sn.Bind(ctx, snapshotter.BindRequest{Key: m.snapKey, Fork: spec.Fork, Discard: spec.Discard})
+		var res snapshotter.BindResult
+		res, err = c.sn.Bind(ctx, snapshotter.BindRequest{Key: m.snapKey, Fork: spec.Fork, Discard: spec.Discard})
 		if err == nil {
 			st.mark("bind")
+			m.boundRoot = res.Root
 			return m, nil
 		}
 		p.release()

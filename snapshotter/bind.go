@@ -91,6 +91,13 @@ func (s *Snapshotter) Bind(ctx context.Context, req BindRequest) (BindResult, er
 		if err := s.agrees(ctx, have, want, req); err != nil {
 			return BindResult{}, fmt.Errorf("bind %s: %w", key, err)
 		}
+		if have.spec.Slot { // its fork is on the slot; the rootfs is as prepared
+			mounts, err := s.overlay.Mounts(ctx, key)
+			if err != nil {
+				return BindResult{}, fmt.Errorf("bind %s: %w", key, err)
+			}
+			return BindResult{Key: key, ForkID: have.forkID, Root: have.base, Mounts: mounts}, nil
+		}
 		if err := s.ensureView(ctx, sn, have); err != nil {
 			return BindResult{}, fmt.Errorf("bind %s: %w", key, err)
 		}
@@ -102,6 +109,9 @@ func (s *Snapshotter) Bind(ctx context.Context, req BindRequest) (BindResult, er
 	case ok: // prepared late-bound: the view is in the overlay already, with its prefix and owner
 		if req.Workdir != "" && want.Workdir != have.spec.Workdir {
 			return BindResult{}, fmt.Errorf("bind %s: workdir %s differs from %s, where the snapshot's view was prepared: %w", key, want.Workdir, have.spec.Workdir, errdefs.ErrConflict)
+		}
+		if have.spec.Slot {
+			return s.bindSlot(ctx, key, sn, have, want, &unlock)
 		}
 		return s.bindLate(ctx, key, sn, have, want, &unlock)
 	default:

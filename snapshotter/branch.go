@@ -196,8 +196,12 @@ func (s *Snapshotter) Branch(ctx context.Context, req BranchRequest) (_ BranchRe
 			return err
 		},
 	}
-	opts.Lowers = s.imageLayers(sn)
-	root, st, err := ingest.UpperStats(ctx, s.store, b.base, s.upperPath(sn.ID), b.spec.Prefix(), opts)
+	upper, prefix, lowers, err := s.changes(sn, b)
+	if err != nil {
+		return BranchResult{}, fmt.Errorf("branch %s: %w", key, err)
+	}
+	opts.Lowers = lowers
+	root, st, err := ingest.UpperStats(ctx, s.store, b.base, upper, prefix, opts)
 	if err != nil {
 		return BranchResult{}, fmt.Errorf("branch %s: %w", key, err)
 	}

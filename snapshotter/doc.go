@@ -12,4 +12,9 @@
 // adds the fork binding (labels, or Bind for the runtime shim), the view lifecycle and
 // the commit on remove. Views are mounted through the ViewHost interface, so the code
 // that serves them can move into a process that outlives this one.
+//
+// A snapshot prepared with a slot (binding.LabelSlot: warm pool members with kernel
+// views) has no view in its rootfs; Bind mounts the fork's view with a writable
+// overlay onto a shared host directory that the container binds at its workdir, and
+// its commit walks that overlay's upper directory (slot.go).
 package snapshotter

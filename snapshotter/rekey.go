@@ -144,6 +144,17 @@ func (s *Snapshotter) CheckLateBind(ctx context.Context, key string) error {
 	case b.isBound():
 		return fmt.Errorf("snapshot %s is bound already: %w", key, errdefs.ErrFailedPrecondition)
 	}
+	if b.spec.Slot {
+		switch bound, present, err := s.slotBound(sn.ID); {
+		case err != nil:
+			return err
+		case !present:
+			return fmt.Errorf("the slot of snapshot %s is not mounted: %w", key, errdefs.ErrFailedPrecondition)
+		case bound:
+			return fmt.Errorf("a view is mounted onto the slot of snapshot %s already: %w", key, errdefs.ErrFailedPrecondition)
+		}
+		return nil
+	}
 	dir := s.viewDir(sn.ID)
 	if !s.views.Mounted(ctx, dir) {
 		return fmt.Errorf("the view of snapshot %s is not served: %w", key, errdefs.ErrFailedPrecondition)

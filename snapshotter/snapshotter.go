@@ -298,18 +298,29 @@ func (s *Snapshotter) create(ctx context.Context, kind snapshots.Kind, key, pare
 		return nil, err
 	}
 	sn, info, err := s.get(ctx, key)
+	var b bound
 	if err == nil {
-		var b bound
 		b, _, err = s.parseBound(info)
-		if err == nil {
-			err = s.pinAndMount(ctx, sn, key, b)
-		}
 	}
 	var mounts []mount.Mount
-	if err == nil {
-		mounts, err = s.forkMounts(sn)
+	switch {
+	case err != nil:
+	case b.spec.Slot:
+		// No view in the rootfs: the fork is mounted onto the slot at bind (slot.go).
+		if err = s.ensureSlot(sn.ID); err == nil {
+			mounts, err = s.overlay.Mounts(ctx, key)
+		}
+	default:
+		if err = s.pinAndMount(ctx, sn, key, b); err == nil {
+			mounts, err = s.forkMounts(sn)
+		}
 	}
 	if err != nil {
+		if b.spec.Slot {
+			if uerr := s.unmountSlot(context.WithoutCancel(ctx), sn.ID); uerr != nil {
+				log.G(ctx).WithError(uerr).WithField("key", key).Warn("could not remove the slot of a failed prepare")
+			}
+		}
 		if rerr := s.overlay.Remove(context.WithoutCancel(ctx), key); rerr != nil {
 			log.G(ctx).WithError(rerr).WithField("key", key).Warn("could not remove the snapshot of a failed prepare")
 		}
@@ -503,6 +514,12 @@ func (s *Snapshotter) Mounts(ctx context.Context, key string) ([]mount.Mount, er
 	}
 	s.locks.Lock(key)
 	defer s.locks.Unlock(key)
+	if b.spec.Slot {
+		if err := s.ensureSlot(sn.ID); err != nil {
+			return nil, fmt.Errorf("mounts %s: %w", key, err)
+		}
+		return s.overlay.Mounts(ctx, key)
+	}
 	if err := s.ensureView(ctx, sn, b); err != nil {
 		return nil, fmt.Errorf("mounts %s: %w", key, err)
 	}
@@ -543,6 +560,11 @@ func (s *Snapshotter) Remove(ctx context.Context, key string) error {
 				return fmt.Errorf("remove %s: commit changes to fork %s: %w (the snapshot is kept; label %s=true discards it)", key, b.forkID, err, binding.LabelDiscard)
 			}
 		}
+		if b.spec.Slot {
+			if err := s.unmountSlot(ctx, sn.ID); err != nil {
+				return fmt.Errorf("remove %s: %w", key, err)
+			}
+		}
 		if err := s.views.Unmount(ctx, s.viewDir(sn.ID)); err != nil {
 			return fmt.Errorf("remove %s: unmount fork view: %w", key, err)
 		}
@@ -578,7 +600,11 @@ func (s *Snapshotter) commitToFork(ctx context.Context, key string, sn storage.S
 		forkID = id
 		return err
 	}
-	newRoot, err := ingest.Upper(ctx, s.store, b.base, s.upperPath(sn.ID), b.spec.Prefix(), ingest.Options{Record: record, Lowers: s.imageLayers(sn)})
+	upper, prefix, lowers, err := s.changes(sn, b)
+	if err != nil {
+		return "", b.base, err
+	}
+	newRoot, err := ingest.Upper(ctx, s.store, b.base, upper, prefix, ingest.Options{Record: record, Lowers: lowers})
 	if err != nil {
 		return "", newRoot, err
 	}
@@ -680,6 +706,19 @@ func (s *Snapshotter) removeOrphanViewDirs(ctx context.Context) error {
 		return err
 	}); err != nil {
 		return err
+	}
+	// Slots first: an overlay on a slot may have the view as a layer.
+	slots, err := os.ReadDir(filepath.Join(s.root, "slots"))
+	if err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return err
+	}
+	for _, e := range slots {
+		if _, live := ids[e.Name()]; live {
+			continue
+		}
+		if err := s.unmountSlot(ctx, e.Name()); err != nil {
+			log.G(ctx).WithError(err).WithField("id", e.Name()).Warn("could not remove the slot of a removed snapshot")
+		}
 	}
 	ents, err := os.ReadDir(filepath.Join(s.root, "views"))
 	if err != nil {

@@ -32,6 +32,10 @@ type ViewHost interface {
 	Tainted(dir string) (bool, error)
 	// Mounted reports whether a live view is served at dir.
 	Mounted(ctx context.Context, dir string) bool
+	// Prebuild prepares what a later Mount of spec would spend long on (a kernel
+	// view's image), without mounting anything; a host with nothing to prepare
+	// does nothing.
+	Prebuild(ctx context.Context, spec ViewSpec) error
 	// Unmount stops serving dir and detaches it; a dir that is not mounted is fine.
 	Unmount(ctx context.Context, dir string) error
 	// ImageLayer reports whether the view at dir is a kernel view's image mounted

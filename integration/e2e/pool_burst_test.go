@@ -220,10 +220,10 @@ func checkNothingLeft(t testing.TB, s *stack.Stack) string {
 	if out := s.MustCtr(t, "snapshot", "--snapshotter", "tidepool", "ls"); strings.Contains(out, "Active") {
 		return "active snapshots left:\n" + out
 	}
-	views, _ := os.ReadDir(filepath.Join(s.Root, "views"))
+	views := viewDirs(s)
 	mounts, _ := harness.MountsUnder(s.Root)
-	if len(views) != 0 || len(mounts) != 0 {
-		return fmt.Sprintf("%d view dirs, %d mounts under the root: %v", len(views), len(mounts), mounts)
+	if views != 0 || len(mounts) != 0 {
+		return fmt.Sprintf("%d view and slot dirs, %d mounts under the root: %v", views, len(mounts), mounts)
 	}
 	cgs, _ := harness.CgroupDirs("/" + s.C.Namespace)
 	for _, cg := range cgs {

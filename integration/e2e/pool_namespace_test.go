@@ -182,10 +182,10 @@ func checkOnlyMembersIn(t testing.TB, s *stack.Stack, ns string, n int, gone ...
 	if active != n {
 		return fmt.Sprintf("%d active snapshots in %s", active, ns)
 	}
-	views, _ := os.ReadDir(filepath.Join(s.Root, "views"))
+	views := viewDirs(s)
 	mounts, _ := harness.MountsUnder(s.Root)
-	if len(views) != n || len(mounts) != n {
-		return fmt.Sprintf("%d view dirs, %d mounts under the root: %v", len(views), len(mounts), mounts)
+	if views != n || len(mounts) != n {
+		return fmt.Sprintf("%d view and slot dirs, %d mounts under the root: %v", views, len(mounts), mounts)
 	}
 	for _, id := range gone {
 		if cgs, _ := harness.CgroupDirs("/" + ns + "/" + id); len(cgs) > 0 {

@@ -169,6 +169,8 @@ func Start(t testing.TB, opts Options) *Stack {
   snapshotter = "tidepool"
 `, platforms.DefaultString()) + co.ExtraTOML
 	s.C = harness.StartContainerd(t, co)
+	// Runs before containerd's teardown (cleanups run last registered first).
+	t.Cleanup(func() { s.drainSlots(t) })
 
 	metrics := "none"
 	if opts.Metrics {
@@ -213,6 +215,51 @@ func Start(t testing.TB, opts Options) *Stack {
 	}
 	s.Daemon = daemon
 	return s
+}
+
+// drainSlots destroys the pool members whose slots (kernel mounts, which outlive
+// tidepoold like kernel views) would otherwise be left mounted once containerd goes
+// without removing their snapshots: tidepoold is replaced, as a crash or an upgrade
+// would, by one whose configuration has no pool templates, which destroys the
+// members it finds; then every slot must be gone.
+func (s *Stack) drainSlots(t testing.TB) {
+	slots := filepath.Join(s.Root, "slots")
+	if ents, _ := os.ReadDir(slots); len(ents) == 0 || s.Daemon == nil {
+		return
+	}
+	cfgPath := filepath.Join(s.Dir, "tidepoold.toml")
+	b, err := os.ReadFile(cfgPath)
+	if err != nil {
+		t.Error(err)
+		return
+	}
+	cfg, _, _ := strings.Cut(string(b), "[[pools.template]]")
+	if err := os.WriteFile(cfgPath, []byte(cfg), 0o644); err != nil {
+		t.Error(err)
+		return
+	}
+	if s.Daemon.Running() {
+		if err := s.Daemon.Kill(); err != nil {
+			t.Error(err)
+			return
+		}
+	}
+	if err := s.Daemon.Start(context.Background()); err != nil {
+		t.Errorf("restart tidepoold to drain its pools: %v\n%s", err, s.Daemon.LogTail(40))
+		return
+	}
+	deadline := time.Now().Add(2 * time.Minute)
+	for {
+		ents, _ := os.ReadDir(slots)
+		if len(ents) == 0 {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Errorf("slots left after the pools were drained: %v\n%s", ents, s.Daemon.LogTail(40))
+			return
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
 }
 
 func (s *Stack) ping(ctx context.Context) error {
