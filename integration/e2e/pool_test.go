@@ -236,14 +236,14 @@ func checkOnlyMembers(t testing.TB, s *stack.Stack, n int) string {
 	cgs, _ := harness.CgroupDirs("/" + s.C.Namespace)
 	for _, cg := range cgs {
 		ents, _ := os.ReadDir(cg)
-		dirs := 0
+		var dirs []string
 		for _, e := range ents {
 			if e.IsDir() {
-				dirs++
+				dirs = append(dirs, e.Name())
 			}
 		}
-		if dirs != n {
-			return fmt.Sprintf("%d container cgroups under %s", dirs, cg)
+		if len(dirs) != n {
+			return fmt.Sprintf("%d container cgroups under %s: %v (containers %v)", len(dirs), cg, dirs, ctrs)
 		}
 	}
 	return ""
