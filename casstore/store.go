@@ -15,7 +15,6 @@ import (
 	"github.com/containerd/log"
 	"golang.org/x/sync/singleflight"
 	"golang.org/x/sys/unix"
-	"lukechampine.com/blake3"
 )
 
 const (
@@ -233,7 +232,7 @@ func (s *Store) verifyOpen(h Hash, f *os.File) error {
 // hashReaderAt hashes the first size bytes of f without moving its offset, so the
 // caller can hand f on positioned at 0.
 func hashReaderAt(f *os.File, size int64) (Hash, error) {
-	hs := blake3.New(HashSize, nil)
+	hs := NewHasher()
 	buf := getBuf()
 	defer putBuf(buf)
 	if _, err := io.CopyBuffer(hs, io.NewSectionReader(f, 0, size), *buf); err != nil {
