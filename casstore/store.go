@@ -27,15 +27,20 @@ const (
 	maxTreeSize = 256 << 20
 )
 
-// CorruptError says an object's bytes do not hash to its name. It wraps
-// errdefs.ErrDataLoss so callers across gRPC see a data-loss status.
+// CorruptError says an object's bytes do not hash to its name, or (Reason) that its
+// compressed bytes do not even decode. It wraps errdefs.ErrDataLoss so callers across
+// gRPC see a data-loss status.
 type CorruptError struct {
-	Hash Hash // the name the object is stored under
-	Got  Hash // what its bytes hash to
-	Path string
+	Hash   Hash // the name the object is stored under
+	Got    Hash // what its bytes hash to
+	Path   string
+	Reason string // set when the bytes could not be decoded (Got is then zero)
 }
 
 func (e *CorruptError) Error() string {
+	if e.Reason != "" {
+		return fmt.Sprintf("object %s is corrupt: %s (%s)", e.Hash, e.Reason, e.Path)
+	}
 	return fmt.Sprintf("object %s is corrupt: its bytes hash to %s (%s)", e.Hash, e.Got, e.Path)
 }
 
