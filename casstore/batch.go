@@ -658,7 +658,8 @@ func fsyncPath(p string) error {
 }
 
 func copyHashing(w io.Writer, r io.Reader) (Hash, int64, error) {
-	hs := NewHasher()
+	hs := getHasher()
+	defer putHasher(hs)
 	buf := getBuf()
 	defer putBuf(buf)
 	n, err := io.CopyBuffer(io.MultiWriter(w, hs), r, *buf)

@@ -4,6 +4,7 @@ import (
 	"encoding/hex"
 	"fmt"
 	"hash"
+	"sync"
 
 	"github.com/zeebo/blake3"
 )
@@ -34,6 +35,18 @@ func Sum(b []byte) Hash {
 
 // NewHasher returns a streaming hasher of object names: its Sum is BLAKE3-256.
 func NewHasher() hash.Hash { return blake3.New() }
+
+// A hasher holds 8 KiB of buffers: the store's own streaming hashes (one per object
+// it writes or verifies) reuse them.
+var hashers = sync.Pool{New: func() any { return blake3.New() }}
+
+func getHasher() *blake3.Hasher {
+	h := hashers.Get().(*blake3.Hasher)
+	h.Reset()
+	return h
+}
+
+func putHasher(h *blake3.Hasher) { hashers.Put(h) }
 
 // String returns the 64-character lowercase hex form used on disk and on the wire.
 func (h Hash) String() string { return hex.EncodeToString(h[:]) }

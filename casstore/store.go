@@ -237,7 +237,8 @@ func (s *Store) verifyOpen(h Hash, f *os.File) error {
 // hashReaderAt hashes the first size bytes of f without moving its offset, so the
 // caller can hand f on positioned at 0.
 func hashReaderAt(f *os.File, size int64) (Hash, error) {
-	hs := NewHasher()
+	hs := getHasher()
+	defer putHasher(hs)
 	buf := getBuf()
 	defer putBuf(buf)
 	if _, err := io.CopyBuffer(hs, io.NewSectionReader(f, 0, size), *buf); err != nil {

@@ -516,14 +516,21 @@ func (s *Store) placeFromJournal(h Hash, e journalEntry) error {
 	if !e.compressed() {
 		return s.writeObject(h, io.NewSectionReader(f, e.off, e.size), false)
 	}
-	block := make([]byte, e.stored)
+	blockBuf, scratch := getDecodeBuf(), getDecodeBuf()
+	defer decodeBufs.Put(blockBuf)
+	defer decodeBufs.Put(scratch)
+	if int64(cap(*blockBuf)) < e.stored {
+		*blockBuf = make([]byte, e.stored)
+	}
+	block := (*blockBuf)[:e.stored]
 	if _, err := f.ReadAt(block, e.off); err != nil {
 		return fmt.Errorf("read object %s from journal %s: %w", h, e.path, err)
 	}
-	data, err := decodeObject(nil, block, e.size)
+	data, err := decodeObject(*scratch, block, e.size)
 	if err != nil {
 		return &CorruptError{Hash: h, Path: e.path, Reason: err.Error()}
 	}
+	*scratch = data
 	return s.writeObject(h, bytes.NewReader(data), false)
 }
 
