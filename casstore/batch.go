@@ -13,7 +13,6 @@ import (
 
 	"github.com/containerd/log"
 	"golang.org/x/sys/unix"
-	"lukechampine.com/blake3"
 )
 
 // smallFile is the size up to which PutFile reads a file into memory once instead of
@@ -659,7 +658,8 @@ func fsyncPath(p string) error {
 }
 
 func copyHashing(w io.Writer, r io.Reader) (Hash, int64, error) {
-	hs := blake3.New(HashSize, nil)
+	hs := getHasher()
+	defer putHasher(hs)
 	buf := getBuf()
 	defer putBuf(buf)
 	n, err := io.CopyBuffer(io.MultiWriter(w, hs), r, *buf)

@@ -31,7 +31,11 @@ import (
 // replayed by the next batch in any process and by tidepoold's start (SweepDeadTemp):
 // every entry that hashes to its name is written again, durably, where the object is
 // missing or does not hash to its name; objects already right are synced; then the
-// journal goes. An entry is its 32-byte hash, its 8-byte length and its bytes; a torn
+// journal goes. A journal is its magic, "TPJRNL2\n", then entries: the object's
+// 32-byte hash, its 8-byte size, the 8-byte length of what follows, then the object's
+// bytes (that length equals the size) or, shorter, one LZ4 block of them (an object a
+// pull received compressed, compress.go); integers are big-endian. A journal an
+// earlier version wrote, "TPJRNL1\n", has entries of hash, size and bytes. A torn
 // tail (a crash while the journal was written, before anything named its objects)
 // ends the replay of that journal. So after a crash at any point every object a record
 // names is whole once a writer or tidepoold has started, and nothing is half-written
@@ -39,8 +43,95 @@ import (
 
 const (
 	journalDirName = "journal"
-	journalMagic   = "TPJRNL1\n"
+	journalMagic   = "TPJRNL2\n"
+	journalMagicV1 = "TPJRNL1\n"
+	// journalEntryHeader is the size of an entry's header: hash, size, stored length.
+	journalEntryHeader = HashSize + 8 + 8
+	// maxCompressedObject bounds the size of an object a journal holds compressed
+	// (it is decoded in memory); a bigger one is stored raw.
+	maxCompressedObject = 64 << 20
 )
+
+// appendEntryHeader appends an entry's header: h, the object's size, and the length
+// of the stored bytes that follow.
+func appendEntryHeader(b []byte, h Hash, size, stored int64) []byte {
+	b = append(b, h[:]...)
+	b = binary.BigEndian.AppendUint64(b, uint64(size))
+	return binary.BigEndian.AppendUint64(b, uint64(stored))
+}
+
+// journalReader reads a journal's entries in order.
+type journalReader struct {
+	r   *bufio.Reader
+	v1  bool
+	off int64 // of the next entry
+}
+
+// newJournalReader reads a journal's magic; ok is false for a file torn before its
+// first entry, or not a journal.
+func newJournalReader(f io.Reader, bufSize int) (*journalReader, bool) {
+	r := bufio.NewReaderSize(f, bufSize)
+	magic := make([]byte, len(journalMagic))
+	if _, err := io.ReadFull(r, magic); err != nil {
+		return nil, false
+	}
+	switch string(magic) {
+	case journalMagic:
+		return &journalReader{r: r, off: int64(len(magic))}, true
+	case journalMagicV1:
+		return &journalReader{r: r, v1: true, off: int64(len(magic))}, true
+	}
+	return nil, false
+}
+
+// next reads the next entry's header: where the entry's stored bytes begin (the
+// reader is there), its name, the object's size and the stored length. ok is false at
+// the end or at a header that cannot be whole (a torn tail).
+func (jr *journalReader) next() (e journalEntry, h Hash, ok bool) {
+	n := journalEntryHeader
+	if jr.v1 {
+		n = HashSize + 8
+	}
+	var hdr [journalEntryHeader]byte
+	if _, err := io.ReadFull(jr.r, hdr[:n]); err != nil {
+		return e, h, false
+	}
+	copy(h[:], hdr[:HashSize])
+	size := binary.BigEndian.Uint64(hdr[HashSize:])
+	stored := size
+	if !jr.v1 {
+		stored = binary.BigEndian.Uint64(hdr[HashSize+8:])
+	}
+	if size > 1<<40 || stored > size || stored < size && size > maxCompressedObject {
+		return e, h, false
+	}
+	e = journalEntry{off: jr.off + int64(n), size: int64(size), stored: int64(stored)}
+	jr.off = e.off + e.stored
+	return e, h, true
+}
+
+// skip passes over the stored bytes of the entry next returned.
+func (jr *journalReader) skip(e journalEntry) bool {
+	d, err := jr.r.Discard(int(e.stored))
+	return err == nil && int64(d) == e.stored
+}
+
+// object returns a reader of the object of the entry next returned, decoded if it is
+// stored compressed.
+func (jr *journalReader) object(e journalEntry) (io.Reader, error) {
+	if !e.compressed() {
+		return io.LimitReader(jr.r, e.size), nil
+	}
+	block := make([]byte, e.stored)
+	if _, err := io.ReadFull(jr.r, block); err != nil {
+		return nil, err
+	}
+	data, err := decodeObject(nil, block, e.size)
+	if err != nil {
+		return nil, err
+	}
+	return bytes.NewReader(data), nil
+}
 
 // journalDir is where journals live (below the temp directory, whose sweep skips it).
 func (s *Store) journalDir() string { return filepath.Join(s.tmp, journalDirName) }
@@ -60,11 +151,9 @@ func (s *Store) writeJournal(objects map[Hash][]byte) (string, error) {
 	}
 	w := bufio.NewWriterSize(f, 1<<20)
 	w.WriteString(journalMagic)
-	var hdr [HashSize + 8]byte
+	hdr := make([]byte, 0, journalEntryHeader)
 	for h, data := range objects {
-		copy(hdr[:], h[:])
-		binary.BigEndian.PutUint64(hdr[HashSize:], uint64(len(data)))
-		w.Write(hdr[:])
+		w.Write(appendEntryHeader(hdr, h, int64(len(data)), int64(len(data))))
 		w.Write(data)
 	}
 	if err := w.Flush(); err != nil {
@@ -265,34 +354,31 @@ func (s *Store) replayJournal(path string) (int, error) {
 		return 0, fmt.Errorf("replay journal: %w", err)
 	}
 	defer f.Close()
-	r := bufio.NewReaderSize(f, 1<<20)
-	magic := make([]byte, len(journalMagic))
-	if _, err := io.ReadFull(r, magic); err != nil || string(magic) != journalMagic {
+	jr, ok := newJournalReader(f, 1<<20)
+	if !ok {
 		// Torn before its first entry, or not ours: nothing to restore.
 		return 0, s.dropJournal(path)
 	}
 	rewritten := 0
-	var hdr [HashSize + 8]byte
 	for {
-		if _, err := io.ReadFull(r, hdr[:]); err != nil {
+		e, h, ok := jr.next()
+		if !ok {
 			break // the end, or a torn tail
 		}
-		var h Hash
-		copy(h[:], hdr[:HashSize])
-		n := int64(binary.BigEndian.Uint64(hdr[HashSize:]))
-		if n < 0 || n > 1<<40 {
-			break
-		}
 		if ok, _ := s.hashesTo(s.Path(h), h); ok {
-			if _, err := r.Discard(int(n)); err != nil {
+			if !jr.skip(e) {
 				break
 			}
 			continue
 		}
-		// Streamed and checked on the way: bytes that do not hash to the entry's name
-		// (a torn tail, or an entry a streaming writer had not named yet) end the
-		// replay, and nothing of them is left under a name.
-		err := s.writeObject(h, io.LimitReader(r, n), false)
+		// Checked on the way: bytes that do not hash to the entry's name (a torn
+		// tail, or an entry a streaming writer had not named yet) or do not decode end
+		// the replay, and nothing of them is left under a name.
+		r, err := jr.object(e)
+		if err != nil {
+			break
+		}
+		err = s.writeObject(h, r, false)
 		var ce *CorruptError
 		if errors.As(err, &ce) {
 			break

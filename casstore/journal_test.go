@@ -1,6 +1,7 @@
 package casstore
 
 import (
+	"bytes"
 	"encoding/binary"
 	"fmt"
 	"os"
@@ -59,16 +60,22 @@ func writeDeadJournal(t *testing.T, s *Store, objects [][]byte, tail []byte) str
 	p := filepath.Join(s.journalDir(), "jnl-999999999.1-x")
 	buf := []byte(journalMagic)
 	for _, o := range objects {
-		h := Sum(o)
-		buf = append(buf, h[:]...)
-		buf = binary.BigEndian.AppendUint64(buf, uint64(len(o)))
-		buf = append(buf, o...)
+		buf = appendRawEntry(buf, Sum(o), o)
 	}
 	buf = append(buf, tail...)
 	if err := os.WriteFile(p, buf, 0o600); err != nil {
 		t.Fatal(err)
 	}
 	return p
+}
+
+// appendRawEntry appends a journal entry (the current format) holding data as it is
+// under the name h.
+func appendRawEntry(b []byte, h Hash, data []byte) []byte {
+	b = append(b, h[:]...)
+	b = binary.BigEndian.AppendUint64(b, uint64(len(data)))
+	b = binary.BigEndian.AppendUint64(b, uint64(len(data)))
+	return append(b, data...)
 }
 
 // TestReplayDeadJournal: after a crash, the journal of a writer that died restores
@@ -94,7 +101,7 @@ func TestReplayDeadJournal(t *testing.T) {
 	}
 	// The tail: an entry header whose bytes do not hash to its name.
 	h := Sum(afterTear)
-	tail := append(append([]byte{}, h[:]...), 0, 0, 0, 0, 0, 0, 0, 4)
+	tail := append(append([]byte{}, h[:]...), 0, 0, 0, 0, 0, 0, 0, 4, 0, 0, 0, 0, 0, 0, 0, 4)
 	tail = append(tail, []byte("nev")...)
 	j := writeDeadJournal(t, s, [][]byte{missing, torn, fine}, tail)
 
@@ -157,5 +164,89 @@ func TestFirstBatchReplays(t *testing.T) {
 	b.Abort()
 	if got, err := s2.ReadAll(Sum(obj), 1<<20); err != nil || string(got) != string(obj) {
 		t.Fatalf("after the first batch: %q, %v", got, err)
+	}
+}
+
+// TestReplayJournalFormats: a dead writer's journal in the format of an earlier
+// version (no stored length, TPJRNL1) replays, and so does one holding compressed
+// entries (a pull's), each object decoded and checked; a compressed entry that does
+// not decode, or decodes to bytes that do not hash to its name, ends the replay and
+// is never written under its name.
+func TestReplayJournalFormats(t *testing.T) {
+	src := bytes.Repeat([]byte("a line of source code, compressible;\n"), 500)
+	block := CompressObject(nil, src)
+	if block == nil || len(block) >= len(src) {
+		t.Fatalf("compressible object not compressed: %d bytes", len(block))
+	}
+	compressed := func(b []byte, h Hash, size int64, block []byte) []byte {
+		b = append(b, h[:]...)
+		b = binary.BigEndian.AppendUint64(b, uint64(size))
+		b = binary.BigEndian.AppendUint64(b, uint64(len(block)))
+		return append(b, block...)
+	}
+	other := bytes.Repeat([]byte("other compressible content\n"), 300)
+	for _, tc := range []struct {
+		name    string
+		journal func() []byte
+		want    [][]byte // restored
+		never   []Hash
+	}{
+		{"v1", func() []byte {
+			b := []byte(journalMagicV1)
+			for _, o := range [][]byte{[]byte("old format one"), src} {
+				h := Sum(o)
+				b = append(b, h[:]...)
+				b = binary.BigEndian.AppendUint64(b, uint64(len(o)))
+				b = append(b, o...)
+			}
+			return b
+		}, [][]byte{[]byte("old format one"), src}, nil},
+		{"compressed", func() []byte {
+			b := appendRawEntry([]byte(journalMagic), Sum([]byte("raw")), []byte("raw"))
+			return compressed(b, Sum(src), int64(len(src)), block)
+		}, [][]byte{[]byte("raw"), src}, nil},
+		{"compressed-wrong-name", func() []byte {
+			b := appendRawEntry([]byte(journalMagic), Sum([]byte("raw")), []byte("raw"))
+			b = compressed(b, Sum(other), int64(len(src)), block)
+			return appendRawEntry(b, Sum([]byte("after")), []byte("after"))
+		}, [][]byte{[]byte("raw")}, []Hash{Sum(other), Sum([]byte("after"))}},
+		{"compressed-garbage", func() []byte {
+			bad := append([]byte{}, block...)
+			for i := len(bad) / 2; i < len(bad); i++ {
+				bad[i] = 0xff
+			}
+			return compressed([]byte(journalMagic), Sum(src), int64(len(src)), bad)
+		}, nil, []Hash{Sum(src)}},
+		{"compressed-wrong-size", func() []byte {
+			return compressed([]byte(journalMagic), Sum(src), int64(len(src))+1, block)
+		}, nil, []Hash{Sum(src)}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			s := newStore(t)
+			if err := os.MkdirAll(s.journalDir(), 0o700); err != nil {
+				t.Fatal(err)
+			}
+			p := filepath.Join(s.journalDir(), "jnl-999999999.1-"+tc.name)
+			if err := os.WriteFile(p, tc.journal(), 0o600); err != nil {
+				t.Fatal(err)
+			}
+			n, err := s.ReplayDeadJournals()
+			if err != nil || n != len(tc.want) {
+				t.Fatalf("replay: %d objects, %v; want %d", n, err, len(tc.want))
+			}
+			for _, o := range tc.want {
+				if err := s.Verify(Sum(o)); err != nil {
+					t.Fatal(err)
+				}
+			}
+			for _, h := range tc.never {
+				if ok, err := s.Has(h); ok || err != nil {
+					t.Fatalf("object %s restored from a bad entry: %v, %v", h, ok, err)
+				}
+			}
+			if _, err := os.Stat(p); !os.IsNotExist(err) {
+				t.Fatalf("replayed journal still there: %v", err)
+			}
+		})
 	}
 }

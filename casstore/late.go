@@ -1,11 +1,8 @@
 package casstore
 
 import (
-	"bufio"
-	"encoding/binary"
 	"errors"
 	"fmt"
-	"io"
 	"io/fs"
 	"maps"
 	"os"
@@ -48,12 +45,16 @@ type lateObjects struct {
 // anything.
 var publishLateHook func()
 
-// journalEntry is where a journal holds an object's bytes.
+// journalEntry is where a journal holds an object's bytes: stored bytes at off,
+// the object itself or (fewer than its size) one LZ4 block of it.
 type journalEntry struct {
-	path string
-	off  int64
-	size int64
+	path   string
+	off    int64
+	size   int64
+	stored int64
 }
+
+func (e journalEntry) compressed() bool { return e.stored < e.size }
 
 // addLate makes objects readable before they are under their names.
 func (s *Store) addLate(objects map[Hash][]byte) { lateAdd(&s.late, &s.late.objects, objects) }
@@ -262,6 +263,32 @@ func (s *Store) HasAll(hs []Hash) ([]bool, error) {
 	return out, nil
 }
 
+// Empty reports whether the store holds no object: no fan-out directory, no journal
+// and nothing of this process's waiting to reach its name. A walker that finds it
+// empty (a pull into a fresh store) knows that every object is missing without a stat
+// for each. Objects that another writer adds meanwhile are not seen: for such a walker
+// they cost a redundant fetch, never a wrong answer about what it stored itself.
+func (s *Store) Empty() (bool, error) {
+	l := &s.late
+	l.mu.Lock()
+	pending := len(l.objects) + len(l.entries)
+	l.mu.Unlock()
+	if pending > 0 {
+		return false, nil
+	}
+	ents, err := os.ReadDir(s.root)
+	if err != nil {
+		return false, fmt.Errorf("list store %s: %w", s.root, err)
+	}
+	for _, e := range ents {
+		if e.IsDir() && isFanoutName(e.Name()) {
+			return false, nil
+		}
+	}
+	js, err := s.Journals()
+	return err == nil && len(js) == 0, err
+}
+
 // indexJournal adds where the journal at p holds each of its objects; a torn tail
 // ends it, as in a replay.
 func indexJournal(p string, index map[Hash]journalEntry) error {
@@ -270,28 +297,16 @@ func indexJournal(p string, index map[Hash]journalEntry) error {
 		return err
 	}
 	defer f.Close()
-	r := bufio.NewReaderSize(f, 64<<10)
-	magic := make([]byte, len(journalMagic))
-	if _, err := io.ReadFull(r, magic); err != nil || string(magic) != journalMagic {
+	jr, ok := newJournalReader(f, 64<<10)
+	if !ok {
 		return nil
 	}
-	off := int64(len(journalMagic))
-	var hdr [HashSize + 8]byte
 	for {
-		if _, err := io.ReadFull(r, hdr[:]); err != nil {
+		e, h, ok := jr.next()
+		if !ok || !jr.skip(e) {
 			return nil
 		}
-		var h Hash
-		copy(h[:], hdr[:HashSize])
-		n := binary.BigEndian.Uint64(hdr[HashSize:])
-		if n > 1<<40 {
-			return nil
-		}
-		off += int64(len(hdr))
-		if d, err := r.Discard(int(n)); err != nil || d != int(n) {
-			return nil
-		}
-		index[h] = journalEntry{path: p, off: off, size: int64(n)}
-		off += int64(n)
+		e.path = p
+		index[h] = e
 	}
 }

@@ -11,7 +11,6 @@ import (
 	"sync"
 
 	"golang.org/x/sys/unix"
-	"lukechampine.com/blake3"
 )
 
 // The size index (STORE/.tidepool-sizes) records the length of every object a batch
@@ -66,7 +65,7 @@ func newSizeIndex(s *Store) *sizeIndex {
 }
 
 func sizeCheck(rec []byte) uint64 {
-	sum := blake3.Sum256(rec[:40])
+	sum := Sum(rec[:40])
 	return binary.LittleEndian.Uint64(sum[:8])
 }
 

@@ -15,7 +15,6 @@ import (
 	"github.com/containerd/log"
 	"golang.org/x/sync/singleflight"
 	"golang.org/x/sys/unix"
-	"lukechampine.com/blake3"
 )
 
 const (
@@ -28,15 +27,20 @@ const (
 	maxTreeSize = 256 << 20
 )
 
-// CorruptError says an object's bytes do not hash to its name. It wraps
-// errdefs.ErrDataLoss so callers across gRPC see a data-loss status.
+// CorruptError says an object's bytes do not hash to its name, or (Reason) that its
+// compressed bytes do not even decode. It wraps errdefs.ErrDataLoss so callers across
+// gRPC see a data-loss status.
 type CorruptError struct {
-	Hash Hash // the name the object is stored under
-	Got  Hash // what its bytes hash to
-	Path string
+	Hash   Hash // the name the object is stored under
+	Got    Hash // what its bytes hash to
+	Path   string
+	Reason string // set when the bytes could not be decoded (Got is then zero)
 }
 
 func (e *CorruptError) Error() string {
+	if e.Reason != "" {
+		return fmt.Sprintf("object %s is corrupt: %s (%s)", e.Hash, e.Reason, e.Path)
+	}
 	return fmt.Sprintf("object %s is corrupt: its bytes hash to %s (%s)", e.Hash, e.Got, e.Path)
 }
 
@@ -233,7 +237,8 @@ func (s *Store) verifyOpen(h Hash, f *os.File) error {
 // hashReaderAt hashes the first size bytes of f without moving its offset, so the
 // caller can hand f on positioned at 0.
 func hashReaderAt(f *os.File, size int64) (Hash, error) {
-	hs := blake3.New(HashSize, nil)
+	hs := getHasher()
+	defer putHasher(hs)
 	buf := getBuf()
 	defer putBuf(buf)
 	if _, err := io.CopyBuffer(hs, io.NewSectionReader(f, 0, size), *buf); err != nil {

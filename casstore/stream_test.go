@@ -164,7 +164,7 @@ func TestJournalWriterRefuses(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if want := int64(len(journalMagic) + 2*(HashSize+8) + len(good1) + len(good2)); st.Size() != want {
+	if want := int64(len(journalMagic) + 2*journalEntryHeader + len(good1) + len(good2)); st.Size() != want {
 		t.Fatalf("journal is %d bytes, want %d (the good entries only)", st.Size(), want)
 	}
 	index := map[Hash]journalEntry{}
@@ -209,12 +209,13 @@ func TestJournalWriterKilled(t *testing.T) {
 			}
 			j.Abort()
 			last := big[1]
-			var hdr [HashSize + 8]byte
+			var hdr [journalEntryHeader]byte
 			if tail == "torn" {
 				h := Sum(last)
 				copy(hdr[:], h[:])
 			} // else: the zero name a streamed entry has until it hashed right
 			binary.BigEndian.PutUint64(hdr[HashSize:], uint64(len(last)))
+			binary.BigEndian.PutUint64(hdr[HashSize+8:], uint64(len(last)))
 			raw = append(append(raw, hdr[:]...), last[:len(last)/2]...)
 			if tail == "unnamed" {
 				raw = append(raw, last[len(last)/2:]...) // whole, but never named
@@ -299,10 +300,7 @@ func TestHasAll(t *testing.T) {
 	torn := []byte("corrupt in a dead writer's journal")
 	raw := []byte(journalMagic)
 	for _, b := range [][]byte{dead, torn} {
-		h := Sum(b)
-		raw = append(raw, h[:]...)
-		raw = binary.BigEndian.AppendUint64(raw, uint64(len(b)))
-		raw = append(raw, b...)
+		raw = appendRawEntry(raw, Sum(b), b)
 	}
 	raw[len(raw)-1] ^= 0xff
 	if err := os.MkdirAll(s.journalDir(), 0o700); err != nil {
@@ -333,4 +331,186 @@ func TestHasAll(t *testing.T) {
 	}
 	release()
 	s.Settle()
+}
+
+// TestJournalWriterPutAll: a batch appends exactly its objects whose bytes hash to
+// their names, in one journal entry each (more objects than one vectored write
+// takes, empty ones, and one already in the journal among them); the others are
+// refused and nothing of them is written. Then every object reads back whole.
+func TestJournalWriterPutAll(t *testing.T) {
+	s := newStore(t)
+	release := holdLatePublication(t)
+	j, err := s.BeginJournal()
+	if err != nil {
+		t.Fatal(err)
+	}
+	before := []byte("appended on its own first")
+	if err := j.PutBytesExpect(before, Sum(before)); err != nil {
+		t.Fatal(err)
+	}
+	var objs []Object
+	var good [][]byte
+	bad := map[Hash]bool{}
+	for i := 0; i < 1500; i++ {
+		data := []byte(fmt.Sprintf("batched object %d %s", i, bytes.Repeat([]byte{'x'}, i%97)))
+		switch {
+		case i%500 == 7:
+			h := Sum([]byte(fmt.Sprintf("what sender %d claimed", i)))
+			bad[h] = true
+			objs = append(objs, Object{Hash: h, Data: data})
+			continue
+		case i == 3:
+			data = nil
+		}
+		objs = append(objs, Object{Hash: Sum(data), Data: data})
+		good = append(good, data)
+	}
+	objs = append(objs, Object{Hash: Sum(before), Data: before})
+	refused, err := j.PutAllExpect(objs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(refused) != len(bad) {
+		t.Fatalf("%d refused, want %d", len(refused), len(bad))
+	}
+	for _, ce := range refused {
+		if !bad[ce.Hash] || ce.Got == ce.Hash {
+			t.Fatalf("refused %s (got %s), not one of the corrupt objects", ce.Hash, ce.Got)
+		}
+	}
+	if j.Len() != len(good)+1 {
+		t.Fatalf("journal holds %d objects, want %d", j.Len(), len(good)+1)
+	}
+	path := j.f.Name()
+	if err := j.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	size := int64(len(journalMagic) + journalEntryHeader*(len(good)+1) + len(before))
+	for _, g := range good {
+		size += int64(len(g))
+	}
+	if st, err := os.Stat(path); err != nil || st.Size() != size {
+		t.Fatalf("journal: %v, %v; want %d bytes (each good object once)", st, err, size)
+	}
+	index := map[Hash]journalEntry{}
+	if err := indexJournal(path, index); err != nil || len(index) != len(good)+1 {
+		t.Fatalf("journal index: %d entries, %v", len(index), err)
+	}
+	for _, g := range append(good, before) {
+		if got, err := s.ReadAll(Sum(g), 1<<20); err != nil || !bytes.Equal(got, g) {
+			t.Fatalf("ReadAll(%s): %q, %v", Sum(g), got, err)
+		}
+	}
+	release()
+	s.Settle()
+	for h := range bad {
+		if ok, err := s.Has(h); ok || err != nil {
+			t.Fatalf("refused object %s stored: %v, %v", h, ok, err)
+		}
+	}
+	for _, g := range good {
+		if err := s.Verify(Sum(g)); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// TestEmpty: a store is empty until it holds an object, whether in place, in this
+// process's journal not published yet, or in a dead writer's journal.
+func TestEmpty(t *testing.T) {
+	check := func(s *Store, want bool) {
+		t.Helper()
+		if got, err := s.Empty(); err != nil || got != want {
+			t.Fatalf("Empty() = %v, %v; want %v", got, err, want)
+		}
+	}
+	s := newStore(t)
+	check(s, true)
+	if _, err := s.PutBytes([]byte("in place")); err != nil {
+		t.Fatal(err)
+	}
+	check(s, false)
+
+	s = newStore(t)
+	release := holdLatePublication(t)
+	j, err := s.BeginJournal()
+	if err != nil {
+		t.Fatal(err)
+	}
+	obj := []byte("in this process's journal")
+	if err := j.PutBytesExpect(obj, Sum(obj)); err != nil {
+		t.Fatal(err)
+	}
+	if err := j.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	check(s, false)
+	release()
+	s.Settle()
+	check(s, false)
+
+	s = newStore(t)
+	writeDeadJournal(t, s, [][]byte{[]byte("in a dead writer's journal")}, nil)
+	check(s, false)
+}
+
+// TestJournalWriterPutAllCompressed: objects given compressed are decoded and checked
+// before they are journaled, kept compressed in the journal, and read back whole
+// (from the journal before they are under their names, then in place); one that
+// decodes to other bytes, does not decode, or claims another size is refused.
+func TestJournalWriterPutAllCompressed(t *testing.T) {
+	s := newStore(t)
+	release := holdLatePublication(t)
+	j, err := s.BeginJournal()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var good [][]byte
+	var objs []Object
+	for i := 0; i < 20; i++ {
+		data := bytes.Repeat([]byte(fmt.Sprintf("compressible object %d\n", i)), 200+i)
+		good = append(good, data)
+		objs = append(objs, Object{Hash: Sum(data), Data: CompressObject(nil, data), Compressed: true, Size: int64(len(data))})
+	}
+	stored := int64(0)
+	for _, o := range objs {
+		stored += int64(len(o.Data))
+	}
+	other := bytes.Repeat([]byte("other\n"), 100)
+	garbage := CompressObject(nil, other)
+	garbage = append(garbage[:len(garbage)/2:len(garbage)/2], bytes.Repeat([]byte{0xff}, len(garbage))...)
+	bad := []Object{
+		{Hash: Sum([]byte("claimed")), Data: CompressObject(nil, other), Compressed: true, Size: int64(len(other))},
+		{Hash: Sum(other), Data: garbage, Compressed: true, Size: int64(len(other))},
+		{Hash: Sum(other), Data: CompressObject(nil, other), Compressed: true, Size: int64(len(other)) - 1},
+	}
+	refused, err := j.PutAllExpect(append(objs, bad...))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(refused) != len(bad) {
+		t.Fatalf("refused %v, want the %d bad objects", refused, len(bad))
+	}
+	path := j.f.Name()
+	if err := j.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	if st, err := os.Stat(path); err != nil || st.Size() != int64(len(journalMagic)+journalEntryHeader*len(good))+stored {
+		t.Fatalf("journal: %v, %v; want the good objects, compressed", st, err)
+	}
+	for _, g := range good[:len(good)/2] { // the rest is written under its name by the publication
+		if got, err := s.ReadAll(Sum(g), 1<<20); err != nil || !bytes.Equal(got, g) {
+			t.Fatalf("ReadAll before publication: %d bytes, %v", len(got), err)
+		}
+	}
+	release()
+	s.Settle()
+	for _, g := range good {
+		if err := s.Verify(Sum(g)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if ok, _ := s.Has(Sum(other)); ok {
+		t.Fatal("a refused object was stored")
+	}
 }

@@ -3,6 +3,7 @@ package remote_test
 import (
 	"bytes"
 	"context"
+	"crypto/rand"
 	"encoding/binary"
 	"fmt"
 	"io"
@@ -11,6 +12,7 @@ import (
 	"testing"
 
 	"github.com/minio/minio-go/v7"
+	"github.com/pierrec/lz4/v4"
 
 	"github.com/tidepool-dev/tidepool/casstore"
 	"github.com/tidepool-dev/tidepool/remote"
@@ -23,12 +25,14 @@ type packHead struct {
 }
 
 // parsePack decodes a pack by its documented format (pack.go), independently of the
-// code that writes it: header, then hash, length, bytes per entry, nothing after.
+// code that writes it: header, then hash, size, stored length and bytes per entry
+// (one LZ4 block when shorter than the size), nothing after. It returns the objects'
+// bytes, decoded.
 func parsePack(t *testing.T, b []byte) (packHead, map[casstore.Hash][]byte) {
 	t.Helper()
 	var h packHead
-	if len(b) < 88 || string(b[:8]) != "TIDEPACK" || binary.BigEndian.Uint32(b[8:]) != 1 || binary.BigEndian.Uint32(b[12:]) != 0 {
-		t.Fatalf("pack header %q is not TIDEPACK version 1", b[:min(len(b), 16)])
+	if len(b) < 88 || string(b[:8]) != "TIDEPACK" || binary.BigEndian.Uint32(b[8:]) != 2 || binary.BigEndian.Uint32(b[12:]) != 0 {
+		t.Fatalf("pack header %q is not TIDEPACK version 2", b[:min(len(b), 16)])
 	}
 	copy(h.root[:], b[16:48])
 	copy(h.base[:], b[48:80])
@@ -36,16 +40,25 @@ func parsePack(t *testing.T, b []byte) (packHead, map[casstore.Hash][]byte) {
 	ents := map[casstore.Hash][]byte{}
 	rest := b[88:]
 	for i := uint64(0); i < h.count; i++ {
-		if len(rest) < 40 {
+		if len(rest) < 48 {
 			t.Fatalf("pack entry %d: short header", i)
 		}
 		var eh casstore.Hash
 		copy(eh[:], rest[:32])
-		n := binary.BigEndian.Uint64(rest[32:40])
-		if uint64(len(rest)-40) < n {
-			t.Fatalf("pack entry %d: %d bytes overrun", i, n)
+		size := binary.BigEndian.Uint64(rest[32:40])
+		stored := binary.BigEndian.Uint64(rest[40:48])
+		if uint64(len(rest)-48) < stored || stored > size {
+			t.Fatalf("pack entry %d: %d stored bytes for %d, %d left", i, stored, size, len(rest)-48)
 		}
-		body := rest[40 : 40+n]
+		body := rest[48 : 48+stored]
+		if stored < size {
+			dec := make([]byte, size)
+			n, err := lz4.UncompressBlock(body, dec)
+			if err != nil || uint64(n) != size {
+				t.Fatalf("pack entry %s: compressed bytes decode to %d bytes, %v; want %d", eh, n, err, size)
+			}
+			body = dec
+		}
 		if casstore.Sum(body) != eh {
 			t.Fatalf("pack entry %s does not hash to its name", eh)
 		}
@@ -53,7 +66,7 @@ func parsePack(t *testing.T, b []byte) (packHead, map[casstore.Hash][]byte) {
 			t.Fatalf("pack entry %s twice", eh)
 		}
 		ents[eh] = body
-		rest = rest[40+n:]
+		rest = rest[48+stored:]
 	}
 	if len(rest) != 0 {
 		t.Fatalf("%d bytes after the last pack entry", len(rest))
@@ -169,7 +182,7 @@ func TestPackCorruptEntry(t *testing.T) {
 	var evil []byte
 	rewritePack(t, srv, r, root, func(b []byte) []byte {
 		i := strings.Index(string(b), "deep\n")
-		if i < 0 || string(b[i-40:i-8]) != string(victim[:]) {
+		if i < 0 || string(b[i-48:i-16]) != string(victim[:]) {
 			t.Fatal("entry not found in the pack")
 		}
 		b[i] = 'D'
@@ -200,6 +213,154 @@ func TestPackCorruptEntry(t *testing.T) {
 	if ok, _ := b.Has(casstore.Sum(evil)); ok {
 		t.Fatal("the corrupt entry's bytes were stored")
 	}
+}
+
+// compressibleTree ingests 40 files that compress well and 10 of random bytes.
+func compressibleTree(t *testing.T, s *casstore.Store) casstore.Hash {
+	dir := t.TempDir()
+	files := map[string]string{}
+	for i := 0; i < 40; i++ {
+		files[fmt.Sprintf("src/f%02d.go", i)] = strings.Repeat(fmt.Sprintf("func f%d() { return %d }\n", i, i), 200)
+	}
+	for i := 0; i < 10; i++ {
+		b := make([]byte, 5000)
+		rand.Read(b)
+		files[fmt.Sprintf("bin/r%02d", i)] = string(b)
+	}
+	writeFiles(t, dir, files)
+	return ingestDir(t, s, dir)
+}
+
+// packEntries lists a pack's entries (version 2) as name, size and stored length.
+func packEntries(t *testing.T, b []byte) map[casstore.Hash][2]uint64 {
+	t.Helper()
+	parsePack(t, b) // checks the framing and every entry
+	out := map[casstore.Hash][2]uint64{}
+	rest := b[88:]
+	for len(rest) > 0 {
+		var h casstore.Hash
+		copy(h[:], rest[:32])
+		size, stored := binary.BigEndian.Uint64(rest[32:]), binary.BigEndian.Uint64(rest[40:])
+		out[h] = [2]uint64{size, stored}
+		rest = rest[48+stored:]
+	}
+	return out
+}
+
+// TestPackCompressedEntries: a pack holds the objects that compress as LZ4 blocks and
+// the others as they are; a pull keeps the blocks compressed in its journal (it
+// syncs less than the objects' size) and stores every object whole. A compressed
+// entry whose block is damaged is refused and counted, never stored; the object is
+// fetched on its own.
+func TestPackCompressedEntries(t *testing.T) {
+	srv := s3test.Start(t)
+	ctx := ctxT(t)
+	a := newStore(t)
+	root := compressibleTree(t, a)
+	r := openRemote(t, srv, 4)
+	if _, err := r.Push(ctx, a, root, remote.PushOptions{Ref: "main"}); err != nil {
+		t.Fatal(err)
+	}
+	raw := getRaw(t, srv, r.PackKey(root))
+	ents := packEntries(t, raw)
+	var victim casstore.Hash
+	compressed, plain := 0, 0
+	var total uint64
+	for h, e := range ents {
+		total += e[0]
+		switch {
+		case e[1] < e[0]:
+			compressed++
+			if e[0] == 200*uint64(len("func f7() { return 7 }\n")) {
+				victim = h
+			}
+		default:
+			plain++
+		}
+	}
+	if compressed < 40 || plain < 10 || victim.IsZero() {
+		t.Fatalf("pack: %d entries compressed, %d not; want the 40 source files compressed, the 10 random ones not", compressed, plain)
+	}
+
+	b := newStore(t)
+	pr, err := openRemote(t, srv, 4).Pull(ctx, b, root)
+	if err != nil || pr.Packs != 1 || pr.Requests != 1 {
+		t.Fatalf("pull: %+v, %v; want one pack, one request", pr, err)
+	}
+	js, err := b.Journals()
+	if err != nil || len(js) != 1 || uint64(js[0].Size) >= total {
+		t.Fatalf("journals right after the pull: %+v, %v; want the pull's, smaller than the %d bytes of its objects", js, err, total)
+	}
+	checkComplete(t, b, root)
+	b.Settle()
+	checkComplete(t, b, root)
+
+	// Damage the victim's block: it must not decode to its bytes.
+	rewritePack(t, srv, r, root, func(p []byte) []byte {
+		rest := p[88:]
+		off := 88
+		for {
+			var h casstore.Hash
+			copy(h[:], rest[:32])
+			stored := int(binary.BigEndian.Uint64(rest[40:]))
+			if h == victim {
+				for i := off + 48 + stored/2; i < off+48+stored; i++ {
+					p[i] ^= 0x5a
+				}
+				return p
+			}
+			rest = rest[48+stored:]
+			off += 48 + stored
+		}
+	})
+	c := newStore(t)
+	rr := openRemote(t, srv, 4)
+	pr, err = rr.Pull(ctx, c, root)
+	if err != nil || pr.Packs != 1 || pr.Requests != 2 {
+		t.Fatalf("pull over a damaged compressed entry: %s, %v; want the pack read to its end and one GET for the refused object", srvMetrics(pr), err)
+	}
+	if m := rr.Metrics().Snapshot(); m.VerifyFailures != 1 || m.PackFailures != 0 {
+		t.Fatalf("metrics %+v: want 1 verify failure, no pack failure", m)
+	}
+	checkComplete(t, c, root)
+}
+
+// TestPackVersion1: a pack an earlier version wrote (format version 1: no stored
+// length, every entry as it is) is still read: the pull takes the whole root from it.
+func TestPackVersion1(t *testing.T) {
+	srv := s3test.Start(t)
+	ctx := ctxT(t)
+	a := newStore(t)
+	root := compressibleTree(t, a)
+	r := openRemote(t, srv, 4)
+	if _, err := r.Push(ctx, a, root, remote.PushOptions{Ref: "main"}); err != nil {
+		t.Fatal(err)
+	}
+	rewritePack(t, srv, r, root, func(p []byte) []byte {
+		_, objs := parsePack(t, p)
+		v1 := append([]byte(nil), p[:88]...)
+		binary.BigEndian.PutUint32(v1[8:], 1)
+		rest := p[88:]
+		for len(rest) > 0 { // in the pack's order
+			var h casstore.Hash
+			copy(h[:], rest[:32])
+			v1 = append(v1, h[:]...)
+			v1 = binary.BigEndian.AppendUint64(v1, uint64(len(objs[h])))
+			v1 = append(v1, objs[h]...)
+			rest = rest[48+binary.BigEndian.Uint64(rest[40:]):]
+		}
+		return v1
+	})
+	b := newStore(t)
+	rr := openRemote(t, srv, 4)
+	pr, err := rr.Pull(ctx, b, root)
+	if err != nil || pr.Packs != 1 || pr.Requests != 1 {
+		t.Fatalf("pull of a version 1 pack: %s, %v; want the root from the pack with one request", srvMetrics(pr), err)
+	}
+	if m := rr.Metrics().Snapshot(); m.VerifyFailures != 0 || m.PackFailures != 0 {
+		t.Fatalf("metrics %+v: want no failure", m)
+	}
+	checkComplete(t, b, root)
 }
 
 func srvMetrics(pr remote.PullResult) string {
@@ -234,6 +395,17 @@ func TestPackTruncatedOrGarbage(t *testing.T) {
 		{"length overruns", func() []byte {
 			b := append([]byte(nil), orig...)
 			binary.BigEndian.PutUint64(b[88+32:], 1<<40)
+			binary.BigEndian.PutUint64(b[88+40:], 1<<40)
+			return b
+		}()},
+		{"compressed entry too big", func() []byte {
+			b := append([]byte(nil), orig...)
+			binary.BigEndian.PutUint64(b[88+32:], 1<<40)
+			return b
+		}()},
+		{"stored longer than the object", func() []byte {
+			b := append([]byte(nil), orig...)
+			binary.BigEndian.PutUint64(b[88+32:], 1)
 			return b
 		}()},
 	} {
@@ -292,8 +464,17 @@ func TestPackPullInterrupted(t *testing.T) {
 	srv := s3test.Start(t)
 	ctx := ctxT(t)
 	a := newStore(t)
-	// 48 MB, more than the socket buffers hold, so the kill lands mid-stream.
-	_, root := bigTree(t, a, 400, 120<<10)
+	// 48 MB that do not compress, more than the socket buffers hold, so the kill
+	// lands mid-stream.
+	dir := t.TempDir()
+	files := map[string]string{}
+	for i := 0; i < 400; i++ {
+		b := make([]byte, 120<<10)
+		rand.Read(b)
+		files[fmt.Sprintf("d%02d/f%04d", i%20, i)] = string(b)
+	}
+	writeFiles(t, dir, files)
+	root := ingestDir(t, a, dir)
 	if _, err := openRemote(t, srv, 16).Push(ctx, a, root, remote.PushOptions{}); err != nil {
 		t.Fatal(err)
 	}
@@ -308,5 +489,51 @@ func TestPackPullInterrupted(t *testing.T) {
 		t.Fatalf("re-run: %s; want the pack read again and what the first run stored kept", srvMetrics(pr))
 	}
 	t.Logf("re-run: %s", srvMetrics(pr))
+	checkComplete(t, b, root)
+}
+
+// TestPackBigTree: a tree larger than the entries a pull reads into its slabs (over
+// 4 MiB: 100k entries) comes from the pack whole and is walked, so what it names is
+// pulled too.
+func TestPackBigTree(t *testing.T) {
+	srv := s3test.Start(t)
+	ctx := ctxT(t)
+	a := newStore(t)
+	blob, err := a.PutBytes([]byte("named a hundred thousand times\n"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ents := make([]casstore.Entry, 100_000)
+	for i := range ents {
+		ents[i] = casstore.Entry{Mode: casstore.ModeFile, Name: fmt.Sprintf("f%06d", i), Hash: blob}
+	}
+	raw, err := casstore.EncodeTree(ents)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(raw) <= 4<<20 {
+		t.Fatalf("tree of %d bytes: not bigger than a pull's in-memory entries", len(raw))
+	}
+	big, err := a.PutBytes(raw)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rootRaw, err := casstore.EncodeTree([]casstore.Entry{{Mode: casstore.ModeDir, Name: "big", Hash: big}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	root, err := a.PutBytes(rootRaw)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := openRemote(t, srv, 4)
+	if _, err := r.Push(ctx, a, root, remote.PushOptions{Ref: "main"}); err != nil {
+		t.Fatal(err)
+	}
+	b := newStore(t)
+	pr, err := openRemote(t, srv, 4).Pull(ctx, b, root)
+	if err != nil || pr.Packs != 1 || pr.Requests != 1 || pr.Objects != 3 {
+		t.Fatalf("pull: %s, %v; want the 3 objects from the pack with one request", srvMetrics(pr), err)
+	}
 	checkComplete(t, b, root)
 }

@@ -45,17 +45,25 @@ type PullResult struct {
 // entry the walk needs once its bytes hash to its name; whatever is still missing
 // (no pack, a corrupt or truncated one, objects the packs do not hold) is fetched
 // object by object, in parallel. Every object is verified before it is written into
-// one store journal (casstore.JournalWriter: entries appended as they arrive, its
-// writeback started on the way, one sync at the end), so when Pull returns the root is
-// durable and readable through the store, and its objects reach their names in the
-// LunarFS layout in the background (Store.WaitPublished, Store.Settle): a pull costs
-// about what writing its bytes once costs, not one file creation per object. Objects
+// one store journal (casstore.JournalWriter: entries appended in batches as they
+// arrive, kept as the pack's compressed blocks, the journal synced in the background
+// as it grows and once at the end), so when Pull returns the root is durable and
+// readable through the store, and its objects reach their names in the LunarFS
+// layout in the background (Store.WaitPublished, Store.Settle): a pull costs about
+// what moving and writing its (compressed) bytes once costs, not one file creation
+// per object. Objects
 // over bigEntry fetched on their own are staged as files and published in batches.
 // An interruption leaves whole objects only: a failed pull commits what its journal
 // holds, a killed one leaves a journal the next writer replays, and a re-run fetches
 // just the rest.
 func (r *Remote) Pull(ctx context.Context, store *casstore.Store, root casstore.Hash) (PullResult, error) {
 	before := r.metrics.Snapshot()
+	// Into an empty store every object is missing: the walk need not ask for each.
+	// (Asked before this pull's own journal exists.)
+	empty, err := store.Empty()
+	if err != nil {
+		return PullResult{Root: root}, err
+	}
 	j, err := store.BeginJournal()
 	if err != nil {
 		return PullResult{Root: root}, err
@@ -65,7 +73,7 @@ func (r *Remote) Pull(ctx context.Context, store *casstore.Store, root casstore.
 		j.Abort()
 		return PullResult{Root: root}, err
 	}
-	p := &puller{r: r, s: store, j: j, st: st, sem: make(chan struct{}, r.conc),
+	p := &puller{r: r, s: store, j: j, st: st, sem: make(chan struct{}, r.conc), empty: empty,
 		seen: map[objKey]bool{}, missing: map[objKey]bool{}, inflight: map[casstore.Hash]bool{}}
 	g, gctx := errgroup.WithContext(ctx)
 	p.g, p.gctx = g, gctx
@@ -103,13 +111,16 @@ func (r *Remote) Hydrate(ctx context.Context, store *casstore.Store, root cassto
 // nor fetched yet are in missing. Until direct is set (the pack phase) a missing
 // object just waits there for a pack entry; after it, it is fetched at once.
 type puller struct {
-	r    *Remote
-	s    *casstore.Store
-	j    *casstore.JournalWriter // where fetched objects go
-	st   *stager                 // big objects fetched on their own
-	sem  chan struct{}
-	g    *errgroup.Group
-	gctx context.Context
+	r   *Remote
+	s   *casstore.Store
+	j   *casstore.JournalWriter // where fetched objects go
+	st  *stager                 // big objects fetched on their own
+	sem chan struct{}
+	// empty: the store held no object when the pull began, so an object this pull
+	// has not stored is missing (see casstore.Store.Empty).
+	empty bool
+	g     *errgroup.Group
+	gctx  context.Context
 
 	mu       sync.Mutex
 	seen     map[objKey]bool
@@ -193,9 +204,12 @@ func (p *puller) expand(ctx context.Context, t casstore.Tree) error {
 		}
 	}
 	p.mu.Unlock()
-	have, err := p.s.HasAll(ask)
-	if err != nil {
-		return err
+	have := make([]bool, len(ask))
+	if !p.empty {
+		var err error
+		if have, err = p.s.HasAll(ask); err != nil {
+			return err
+		}
 	}
 	known := make(map[casstore.Hash]bool, len(ask))
 	for i, h := range ask {
@@ -248,6 +262,21 @@ func (p *puller) got(ctx context.Context, h casstore.Hash, data []byte, n int64)
 		return fmt.Errorf("tree %s: %w", h, err)
 	}
 	return p.expand(ctx, t)
+}
+
+// gotBlobs is got for blobs (no tree among them), under one lock.
+func (p *puller) gotBlobs(objs []casstore.Object) {
+	var n int64
+	p.mu.Lock()
+	for _, o := range objs {
+		delete(p.missing, objKey{o.Hash, false})
+		delete(p.missing, objKey{o.Hash, true})
+		delete(p.inflight, o.Hash)
+		n += o.Size
+	}
+	p.mu.Unlock()
+	p.objects.Add(int64(len(objs)))
+	p.bytes.Add(n)
 }
 
 func (p *puller) acquire(ctx context.Context) error {
@@ -331,8 +360,9 @@ func (p *puller) worthPack() bool {
 // counted and ends the chain; only local failures (the store) fail the pull.
 func (p *puller) packs(ctx context.Context, root casstore.Hash) error {
 	want := root
+	slabs := newSlabPool(runtime.GOMAXPROCS(0) + 2)
 	for depth := 0; depth < maxPackChain && p.worthPack(); depth++ {
-		pr, err := p.r.openPack(ctx, want)
+		pr, err := p.r.openPack(ctx, want, slabs)
 		if err != nil {
 			if ctx.Err() != nil {
 				return ctx.Err()
@@ -344,8 +374,7 @@ func (p *puller) packs(ctx context.Context, root casstore.Hash) error {
 			}
 			return nil
 		}
-		err = p.consume(ctx, pr)
-		pr.Close()
+		err = p.newPackSink(ctx, slabs).consume(ctx, pr)
 		var se storeError
 		switch {
 		case errors.As(err, &se):
@@ -372,77 +401,150 @@ type storeError struct{ err error }
 
 func (e storeError) Error() string { return e.err.Error() }
 
-type packItem struct {
-	h    casstore.Hash
-	data []byte
+// packSink stores the entries of one pack that a pull wants. Blobs are gathered per
+// slab (see packReader) and, once the reader moves on from their slab, handed as one
+// batch to a writer, which verifies them and appends them to the journal where they
+// lie (casstore.JournalWriter.PutAllExpect: no copy, a few system calls for hundreds
+// of objects) and gives the slab back. Writers run in parallel with the reader, so
+// the stream, the hashing and the journal's writes overlap; trees are verified and
+// walked by the reader at once, so the entries they name are recognised when they
+// come.
+type packSink struct {
+	p       *puller
+	slabs   *slabPool
+	pending []casstore.Object // wanted blobs in the current slab
+	work    chan packBatch
+	wg      sync.WaitGroup
+	fatal   atomic.Pointer[error]
+	ctx     context.Context
+	pr      *packReader
 }
 
-// consume reads one pack to its end. Entries the walk needs are verified and staged
-// (small ones by writers in parallel, trees verified and walked at once so the
-// entries they name are recognised when they come); the rest are skipped. A
-// corrupt entry is refused and counted and stays missing.
-func (p *puller) consume(ctx context.Context, pr *packReader) error {
-	// Writers spend most of their time in file system calls: more of them than
-	// CPUs keeps the CPUs busy.
-	workers := max(4, 2*runtime.GOMAXPROCS(0))
-	work := make(chan packItem, 4*workers)
-	var wg sync.WaitGroup
-	var fatal atomic.Pointer[error]
-	setFatal := func(err error) { fatal.CompareAndSwap(nil, &err) }
+// packBatch is the wanted blobs of one slab.
+type packBatch struct {
+	slab []byte
+	objs []casstore.Object
+}
+
+func (p *puller) newPackSink(ctx context.Context, slabs *slabPool) *packSink {
+	workers := runtime.GOMAXPROCS(0)
+	k := &packSink{p: p, slabs: slabs, work: make(chan packBatch, workers), ctx: ctx}
 	for w := 0; w < workers; w++ {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for it := range work {
-				if fatal.Load() != nil {
-					p.unclaim(it.h)
-					continue
-				}
-				err := p.j.PutBytesExpect(it.data, it.h)
-				var ce *casstore.CorruptError
-				switch {
-				case errors.As(err, &ce):
-					p.refuse(ctx, pr, it.h, ce)
-				case err != nil:
-					p.unclaim(it.h)
-					setFatal(err)
-				default:
-					if err := p.packGot(ctx, it.h, nil, int64(len(it.data))); err != nil {
-						setFatal(err)
-					}
-				}
-			}
-		}()
+		k.wg.Add(1)
+		go k.writer()
 	}
-	err := p.readEntries(ctx, pr, work, fatal.Load)
-	close(work)
-	wg.Wait()
-	if f := fatal.Load(); f != nil {
+	return k
+}
+
+// retire hands the blobs gathered in slab to a writer, or gives the slab back.
+func (k *packSink) retire(slab []byte) {
+	if len(k.pending) == 0 {
+		k.slabs.put(slab)
+		return
+	}
+	k.work <- packBatch{slab: slab, objs: k.pending}
+	k.pending = nil
+}
+
+func (k *packSink) setFatal(err error) { k.fatal.CompareAndSwap(nil, &err) }
+
+func (k *packSink) writer() {
+	defer k.wg.Done()
+	p := k.p
+	for b := range k.work {
+		if k.fatal.Load() != nil {
+			for _, o := range b.objs {
+				p.unclaim(o.Hash)
+			}
+			k.slabs.put(b.slab)
+			continue
+		}
+		refused, err := p.j.PutAllExpect(b.objs)
+		if err != nil {
+			for _, o := range b.objs {
+				p.unclaim(o.Hash)
+			}
+			k.slabs.put(b.slab)
+			k.setFatal(err)
+			continue
+		}
+		bad := make(map[casstore.Hash]bool, len(refused))
+		for _, ce := range refused {
+			bad[ce.Hash] = true
+			p.refuse(k.ctx, k.pr, ce.Hash, ce)
+		}
+		var n int64
+		got := b.objs[:0:0]
+		for _, o := range b.objs {
+			if !bad[o.Hash] {
+				got = append(got, o)
+				n += o.Size
+			}
+		}
+		k.slabs.put(b.slab)
+		p.r.metrics.objectsFetched.Add(int64(len(got)))
+		p.r.metrics.bytesFetched.Add(n)
+		p.gotBlobs(got)
+	}
+}
+
+// consume reads one pack to its end and closes it. Entries the walk needs are
+// verified and journaled; the rest are skipped. A corrupt entry is refused and
+// counted and stays missing.
+func (k *packSink) consume(ctx context.Context, pr *packReader) error {
+	k.pr = pr
+	pr.retire = k.retire
+	err := k.readEntries(ctx, pr)
+	// The blobs gathered so far are whole: they go to the writers too.
+	pr.Close()
+	close(k.work)
+	k.wg.Wait()
+	if f := k.fatal.Load(); f != nil {
 		return storeError{*f}
 	}
 	return err
 }
 
-func (p *puller) readEntries(ctx context.Context, pr *packReader, work chan<- packItem, fatal func() *error) error {
+func (k *packSink) readEntries(ctx context.Context, pr *packReader) error {
+	p := k.p
 	for {
-		if fatal() != nil {
+		if k.fatal.Load() != nil {
 			return nil
 		}
 		if err := ctx.Err(); err != nil {
 			return err
 		}
-		h, n, ok, err := pr.next()
+		e, ok, err := pr.next()
 		if err != nil || !ok {
 			return err
 		}
+		h := e.h
 		wantTree, want := p.claim(h)
 		if !want {
-			if err := pr.skip(n); err != nil {
+			if err := pr.skip(e.stored); err != nil {
 				return err
 			}
 			continue
 		}
-		if n > bigEntry {
+		if e.size > bigEntry && wantTree {
+			// A tree this big (stored as it is: next checks) is read whole, to be
+			// walked; maxTreeSize bounds it.
+			if e.size > maxTreeSize {
+				p.unclaim(h)
+				return fmt.Errorf("%w: tree %s of %d bytes is larger than the %d allowed", errBadPack, h, e.size, maxTreeSize)
+			}
+			data := make([]byte, e.size)
+			if _, err := io.ReadFull(pr.stream(e.size), data); err != nil {
+				p.unclaim(h)
+				return pr.short(err)
+			}
+			if err := k.tree(ctx, pr, h, data); err != nil {
+				return err
+			}
+			continue
+		}
+		if e.size > bigEntry { // stored as it is (next checks): streamed into the journal
+			n := e.size
 			start := pr.read
 			_, err := p.j.PutExpect(pr.stream(n), h, n)
 			var ce *casstore.CorruptError
@@ -462,28 +564,43 @@ func (p *puller) readEntries(ctx context.Context, pr *packReader, work chan<- pa
 			}
 			continue
 		}
-		data, err := pr.bytes(n)
+		data, err := pr.bytes(e.stored)
 		if err != nil {
 			p.unclaim(h)
 			return err
 		}
 		if !wantTree {
-			work <- packItem{h, data}
+			k.pending = append(k.pending, casstore.Object{Hash: h, Data: data, Compressed: e.compressed(), Size: e.size})
 			continue
 		}
-		// A tree is verified and walked here, before the entries it names are read.
-		if got := casstore.Sum(data); got != h {
-			p.refuse(ctx, pr, h, &casstore.CorruptError{Hash: h, Got: got, Path: pr.key})
-			continue
+		if e.compressed() {
+			if data, err = casstore.DecompressObject(data, e.size); err != nil {
+				p.refuse(ctx, pr, h, &casstore.CorruptError{Hash: h, Path: pr.key, Reason: err.Error()})
+				continue
+			}
 		}
-		if err := p.j.PutBytesExpect(data, h); err != nil {
-			p.unclaim(h)
-			return storeError{err}
-		}
-		if err := p.packGot(ctx, h, data, n); err != nil {
-			return storeError{err}
+		if err := k.tree(ctx, pr, h, data); err != nil {
+			return err
 		}
 	}
+}
+
+// tree verifies, journals and walks a wanted tree at once, before the entries it
+// names are read.
+func (k *packSink) tree(ctx context.Context, pr *packReader, h casstore.Hash, data []byte) error {
+	p := k.p
+	if got := casstore.Sum(data); got != h {
+		p.refuse(ctx, pr, h, &casstore.CorruptError{Hash: h, Got: got, Path: pr.key})
+		return nil
+	}
+	if err := p.j.PutBytesExpect(data, h); err != nil {
+		p.unclaim(h)
+		return storeError{err}
+	}
+	if err := p.packGot(ctx, h, data, int64(len(data))); err != nil {
+		return storeError{err}
+	}
+	return nil
 }
 
 // packGot is got for an object read from a pack, counted as fetched.
@@ -520,8 +637,8 @@ func (p *puller) unclaim(h casstore.Hash) {
 func (p *puller) refuse(ctx context.Context, pr *packReader, h casstore.Hash, ce *casstore.CorruptError) {
 	p.unclaim(h)
 	p.r.metrics.verifyFailures.Add(1)
-	log.G(ctx).WithFields(log.Fields{"remote": p.r.loc.url, "pack": pr.key, "object": h, "got": ce.Got}).
-		Warn("refused a pack entry whose bytes do not hash to its name; fetching the object on its own")
+	log.G(ctx).WithFields(log.Fields{"remote": p.r.loc.url, "pack": pr.key, "object": h}).WithError(ce).
+		Warn("refused a pack entry whose bytes are not the object's; fetching the object on its own")
 }
 
 // stager spreads a pull's writes over a sequence of batches: every commitEvery

@@ -3,9 +3,8 @@ package remote
 import (
 	"bytes"
 	"fmt"
+	"hash"
 	"io"
-
-	"lukechampine.com/blake3"
 
 	"github.com/tidepool-dev/tidepool/casstore"
 )
@@ -20,13 +19,13 @@ type verifyingReader struct {
 	want casstore.Hash
 	size int64
 	n    int64
-	h    *blake3.Hasher
+	h    hash.Hash
 	r    *Remote
 	err  error
 }
 
 func newVerifyingReader(rc io.ReadCloser, want casstore.Hash, size int64, r *Remote) *verifyingReader {
-	return &verifyingReader{rc: rc, want: want, size: size, h: blake3.New(casstore.HashSize, nil), r: r}
+	return &verifyingReader{rc: rc, want: want, size: size, h: casstore.NewHasher(), r: r}
 }
 
 func (v *verifyingReader) Read(p []byte) (int, error) {
