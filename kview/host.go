@@ -89,6 +89,7 @@ func (h *Host) mount(ctx context.Context, dir string, spec Spec, imageOnly bool)
 	if err != nil {
 		return err
 	}
+	prefetchImage(ctx, img)
 	if imageOnly {
 		err = mountImage(img, dir)
 	} else {
@@ -99,6 +100,22 @@ func (h *Host) mount(ctx context.Context, dir string, spec Spec, imageOnly bool)
 	}
 	log.G(ctx).WithFields(log.Fields{"dir": dir, "root": spec.Root.Short(), "image": filepath.Base(img), "image_only": imageOnly}).Debug("kernel view mounted")
 	return nil
+}
+
+// Prebuild builds spec's image if it is not cached, as Mount would, without mounting
+// anything: a caller that knows a view is coming (the snapshotter, once it knows the
+// fork's root) starts it while it does other work (fork records, the overlay
+// snapshot), and the Mount that follows finds the image built or waits for this
+// build (single-flight). A tree with objects missing fails with a *MissingError;
+// Prebuild does not hydrate them (Mount does).
+func (h *Host) Prebuild(ctx context.Context, spec Spec) error {
+	if spec.Root.IsZero() {
+		return fmt.Errorf("kernel view image: no tree: %w", errdefs.ErrInvalidArgument)
+	}
+	h.cache.gate.RLock()
+	defer h.cache.gate.RUnlock()
+	_, err := h.cache.image(ctx, spec)
+	return err
 }
 
 // Unmount detaches the kernel view at dir; a dir without one is fine.

@@ -40,3 +40,11 @@ type ViewHost interface {
 	// layer, with metacopy=on. It fails when it cannot tell.
 	ImageLayer(dir string) (dataDir string, ok bool, err error)
 }
+
+// viewPrebuilder is a ViewHost that can do the costly part of a view (a kernel
+// view's image) before it is mounted. The snapshotter starts it as soon as it knows
+// the root, so that it overlaps with writing the fork record, preparing the overlay
+// snapshot and pinning the root; the Mount that follows finds it done or waits for it.
+type viewPrebuilder interface {
+	Prebuild(ctx context.Context, spec ViewSpec) error
+}
