@@ -1,6 +1,7 @@
 package kview
 
 import (
+	"bytes"
 	"encoding/binary"
 	"encoding/hex"
 	"fmt"
@@ -11,7 +12,7 @@ import (
 )
 
 // This file lays out a scanned Tree as its metadata-only EROFS image, directly from
-// the node tree into one buffer. It writes exactly the bytes go-erofs (v0.3.1 with the
+// the node tree, front to back. It writes exactly the bytes go-erofs (v0.3.1 with the
 // patches in third_party/go-erofs) writes for the same tree through
 // Writer.CopyFrom(tree, MetadataOnly()): the tests build both and compare them, so
 // go-erofs stays the reference for the format while the build, which is on a
@@ -103,27 +104,27 @@ type imageLayout struct {
 	dataBlks uint32
 }
 
-// WriteImage writes the tree's metadata-only EROFS image to w in one write. The same
-// tree and spec always give the same bytes.
+// WriteImage writes the tree's metadata-only EROFS image to w, front to back in
+// large writes. The same tree and spec always give the same bytes.
 func (t *Tree) WriteImage(w io.Writer) error {
-	b, err := t.imageBytes()
-	if err != nil {
+	l := &imageLayout{t: t, nodes: make([]inode, 0, t.Files+t.Dirs+t.symlinks+1)}
+	if err := l.collect(t.top, 0); err != nil {
 		return err
 	}
-	if _, err := w.Write(b); err != nil {
+	l.plan()
+	iw := &imageWriter{w: w, buf: make([]byte, 0, imageWriteBuffer)}
+	l.write(iw)
+	if err := iw.flush(); err != nil {
 		return fmt.Errorf("write image: %w", err)
 	}
 	return nil
 }
 
-// imageBytes lays the image out in memory.
+// imageBytes is the image in memory (tests).
 func (t *Tree) imageBytes() ([]byte, error) {
-	l := &imageLayout{t: t, nodes: make([]inode, 0, t.Files+t.Dirs+t.symlinks+1)}
-	if err := l.collect(t.top, 0); err != nil {
-		return nil, err
-	}
-	l.plan()
-	return l.write(), nil
+	var b bytes.Buffer
+	err := t.WriteImage(&b)
+	return b.Bytes(), err
 }
 
 // collect appends n and everything under it, depth first, children in name order.
@@ -317,16 +318,77 @@ func (e *inode) setTrailing() {
 	}
 }
 
-// write lays every byte out.
-func (l *imageLayout) write() []byte {
-	metaBlks := (l.metaSize + erofsBlockSize - 1) / erofsBlockSize
-	total := int(l.metaBlk)*erofsBlockSize + metaBlks*erofsBlockSize
-	b := make([]byte, total)
-	meta := b[int(l.metaBlk)*erofsBlockSize:]
+// imageWriteBuffer is how much of the image WriteImage holds before writing it out.
+const imageWriteBuffer = 256 << 10
+
+// imageWriter writes an image front to back through a buffer; the first error sticks.
+type imageWriter struct {
+	w   io.Writer
+	buf []byte
+	off int64 // bytes of the image laid out so far
+	err error
+}
+
+// next returns the image's next n bytes (at most imageWriteBuffer), zeroed, to fill.
+func (w *imageWriter) next(n int) []byte {
+	if len(w.buf)+n > cap(w.buf) {
+		w.flushBuf()
+	}
+	start := len(w.buf)
+	w.buf = w.buf[:start+n]
+	clear(w.buf[start:])
+	w.off += int64(n)
+	return w.buf[start:]
+}
+
+// padTo adds zeros up to offset off.
+func (w *imageWriter) padTo(off int64) {
+	for w.off < off {
+		w.next(int(min(off-w.off, imageWriteBuffer)))
+	}
+}
+
+func (w *imageWriter) flushBuf() {
+	if len(w.buf) > 0 && w.err == nil {
+		_, w.err = w.w.Write(w.buf)
+	}
+	w.buf = w.buf[:0]
+}
+
+func (w *imageWriter) flush() error {
+	w.flushBuf()
+	return w.err
+}
+
+// write lays every byte out, in order: the superblock's block, the data blocks, the
+// metadata area (inodes in NID order, which is the order of l.nodes).
+func (l *imageLayout) write(w *imageWriter) {
 	le := binary.LittleEndian
+	metaBlks := (l.metaSize + erofsBlockSize - 1) / erofsBlockSize
+	sb := w.next(erofsBlockSize)[erofsSBOffset:]
+	le.PutUint32(sb[0:], erofsMagic)
+	sb[12] = erofsBlockBits
+	le.PutUint16(sb[14:], uint16(l.nodes[0].nid))
+	le.PutUint64(sb[16:], uint64(len(l.nodes)))
+	le.PutUint64(sb[24:], Mtime)
+	le.PutUint32(sb[36:], uint32(1+int(l.dataBlks)+metaBlks))
+	le.PutUint32(sb[40:], l.metaBlk)
 	for i := range l.nodes {
 		e := &l.nodes[i]
-		at := int(e.nid) * 32
+		if e.dataBlk == 0 {
+			continue
+		}
+		w.padTo(int64(e.dataBlk) * erofsBlockSize)
+		if e.mode&0o170000 == 0o040000 {
+			l.writeDirents(w, i)
+		} else {
+			copy(w.next(len(e.n.target)), e.n.target)
+		}
+	}
+	meta := int64(l.metaBlk) * erofsBlockSize
+	for i := range l.nodes {
+		e := &l.nodes[i]
+		w.padTo(meta + int64(e.nid)*32)
 		var inodeData uint32
 		switch {
 		case e.layout == layoutChunkBased:
@@ -338,9 +400,8 @@ func (l *imageLayout) write() []byte {
 		if e.xattr > 0 {
 			xcount = uint16((e.xattr-erofsXattrHeader)/4) + 1
 		}
-		ib := meta[at:]
-		var core int
 		if e.compact {
+			ib := w.next(erofsCompact)
 			le.PutUint16(ib[0:], uint16(e.layout)<<1)
 			le.PutUint16(ib[2:], xcount)
 			le.PutUint16(ib[4:], e.mode)
@@ -349,8 +410,8 @@ func (l *imageLayout) write() []byte {
 			le.PutUint32(ib[16:], inodeData)
 			le.PutUint16(ib[24:], uint16(e.uid))
 			le.PutUint16(ib[26:], uint16(e.gid))
-			core = erofsCompact
 		} else {
+			ib := w.next(erofsExtended)
 			le.PutUint16(ib[0:], uint16(e.layout)<<1|1)
 			le.PutUint16(ib[2:], xcount)
 			le.PutUint16(ib[4:], e.mode)
@@ -360,47 +421,32 @@ func (l *imageLayout) write() []byte {
 			le.PutUint32(ib[28:], e.gid)
 			le.PutUint64(ib[32:], Mtime)
 			le.PutUint32(ib[44:], e.nlink)
-			core = erofsExtended
 		}
-		p := at + core
 		if e.xattr > 0 {
-			p = writeFileXattrs(meta, p, e.n)
+			writeFileXattrs(w.next(e.xattr), e.n)
 		}
-		p += e.chunkPad
+		w.next(e.chunkPad)
 		switch {
 		case e.layout == layoutChunkBased:
 			for range e.trailing / erofsChunkIndex {
-				le.PutUint16(meta[p:], 0xffff)
-				le.PutUint32(meta[p+4:], 0xffffffff)
-				p += erofsChunkIndex
+				c := w.next(erofsChunkIndex)
+				le.PutUint16(c[0:], 0xffff)
+				le.PutUint32(c[4:], 0xffffffff)
 			}
 		case e.layout == layoutFlatInline && e.mode&0o170000 == 0o040000:
-			l.writeDirents(meta[p:], i)
+			l.writeDirents(w, i)
 		case e.layout == layoutFlatInline:
-			copy(meta[p:], e.n.target)
-		case e.dataBlk > 0 && e.mode&0o170000 == 0o040000:
-			l.writeDirents(b[int(e.dataBlk)*erofsBlockSize:], i)
-		case e.dataBlk > 0:
-			copy(b[int(e.dataBlk)*erofsBlockSize:], e.n.target)
+			copy(w.next(len(e.n.target)), e.n.target)
 		}
 	}
-	sb := b[erofsSBOffset:]
-	le.PutUint32(sb[0:], erofsMagic)
-	sb[12] = erofsBlockBits
-	le.PutUint16(sb[14:], uint16(l.nodes[0].nid))
-	le.PutUint64(sb[16:], uint64(len(l.nodes)))
-	le.PutUint64(sb[24:], Mtime)
-	le.PutUint32(sb[36:], uint32(1+int(l.dataBlks)+metaBlks))
-	le.PutUint32(sb[40:], l.metaBlk)
-	return b
+	w.padTo(meta + int64(metaBlks)*erofsBlockSize)
 }
 
-// writeFileXattrs writes a non-empty file's xattr area at b[p:] and returns the
-// offset after it.
-func writeFileXattrs(b []byte, p int, n *node) int {
+// writeFileXattrs writes a non-empty file's xattr area (fileXattrSize bytes) at b.
+func writeFileXattrs(b []byte, n *node) {
 	le := binary.LittleEndian
-	le.PutUint32(b[p:], 0xffffffff) // name filter: unused
-	p += erofsXattrHeader
+	le.PutUint32(b, 0xffffffff) // name filter: unused
+	p := erofsXattrHeader
 	b[p], b[p+1] = byte(len(xattrMetacopySuffix)), xattrIndexTrusted
 	p += 4
 	p += copy(b[p:], xattrMetacopySuffix)
@@ -414,17 +460,20 @@ func writeFileXattrs(b []byte, p int, n *node) int {
 	hex.Encode(b[p+1:p+3], n.hash[:1])
 	b[p+3] = '/'
 	hex.Encode(b[p+4:p+redirectLen], n.hash[1:])
-	p += redirectLen
-	return (p + 3) &^ 3
 }
 
-// writeDirents writes directory i's entries at b.
-func (l *imageLayout) writeDirents(b []byte, i int) {
+// writeDirents writes directory i's entries: blocks of headers then names, every
+// block but the last padded to the block size.
+func (l *imageLayout) writeDirents(w *imageWriter, i int) {
 	le := binary.LittleEndian
 	ents := l.entries(i)
-	base := 0
 	for k := 0; k < len(ents); {
-		_, next := l.direntBlock(ents, k)
+		used, next := l.direntBlock(ents, k)
+		size := used
+		if next < len(ents) {
+			size = erofsBlockSize
+		}
+		b := w.next(size)
 		nameOff := (next - k) * erofsDirent
 		for j := k; j < next; j++ {
 			var nid uint64
@@ -444,13 +493,12 @@ func (l *imageLayout) writeDirents(b []byte, i int) {
 					ftype = ftypeSymlink
 				}
 			}
-			h := b[base+(j-k)*erofsDirent:]
+			h := b[(j-k)*erofsDirent:]
 			le.PutUint64(h[0:], nid)
 			le.PutUint16(h[8:], uint16(nameOff))
 			h[10] = ftype
-			nameOff += copy(b[base+nameOff:], l.name(ents[j]))
+			nameOff += copy(b[nameOff:], l.name(ents[j]))
 		}
-		base += erofsBlockSize
 		k = next
 	}
 }
