@@ -75,9 +75,15 @@ func scan(ctx context.Context, store *casstore.Store, spec Spec, memo *treeMemo)
 	if err != nil {
 		return nil, err
 	}
+	// Entries of distinct tree objects: the number of files in a tree without shared
+	// subtrees, sizing the object list and its set once instead of growing them.
+	hint := 0
+	for _, ds := range scans {
+		hint += len(ds.tree)
+	}
 	as := &assembler{ctx: ctx, scans: scans, budget: casstore.DefaultLimits(),
-		missing: map[casstore.Hash]struct{}{}, seen: map[casstore.Hash]struct{}{},
-		t: &Tree{spec: spec}}
+		missing: map[casstore.Hash]struct{}{}, seen: make(map[casstore.Hash]struct{}, hint),
+		t: &Tree{spec: spec, objects: make([]casstore.Hash, 0, hint)}}
 	t := as.t
 	owned := &node{mode: fs.ModeDir | 0o755, hash: spec.Root, owned: true}
 	if err := as.dir(owned, spec.Root, 0); err != nil {
