@@ -96,6 +96,9 @@ func BenchmarkKernelViewReads(b *testing.B) {
 					c, wm = timedPasses(b, s, id, []string{"--snapshotter", "overlayfs"}, bakedRef, w.cmd)
 				default:
 					if arm != layering {
+						// A removed container's view goes when containerd collects its
+						// snapshot; a restart before then would leave it mounted.
+						waitViewsReleased(b, s)
 						s.RestartDaemonWith(b, fmt.Sprintf("views.layering = %q", arm))
 						layering = arm
 					}
@@ -106,6 +109,7 @@ func BenchmarkKernelViewReads(b *testing.B) {
 		}
 	}
 	b.StopTimer()
+	waitViewsReleased(b, s)
 	for _, w := range workloads {
 		base := res[w.name+"-baked"]
 		b.ReportMetric(float64(median(base.warm).Milliseconds()), w.name+"-warm-baked-ms")
@@ -161,6 +165,7 @@ func BenchmarkRunWithNewKernelView(b *testing.B) {
 	b.ResetTimer()
 	for i := 0; i < b.N; i++ {
 		b.StopTimer()
+		waitViewsReleased(b, s)
 		s.RestartDaemon(b)
 		run(fmt.Sprintf("warm-view-%d", i), owner(1999)...)
 		run(fmt.Sprintf("warm-base-%d", i))
