@@ -18,9 +18,15 @@
 // is on a container's create path, so it is kept cheap: tree objects are read by
 // several workers and remembered decoded for later builds (trees never change), file
 // sizes come from the store's size index (casstore.Store.KnownSize) with a stat only
-// where it has no entry, and the image is laid out in memory and written once. Mounted
-// views are found again after a restart from the mount table: the overlay's source
-// names the image key ("tidepool-kview:<key>").
+// where it has no entry, and the image is laid out in memory straight from the
+// scanned tree by this package's own writer (erofs.go; its output is byte for byte
+// what go-erofs writes for the same tree, which the tests check) and written once,
+// its writeback started at once. Host.Prebuild lets a caller start a build before it
+// mounts (the snapshotter does, as soon as it knows a fork's root). A mount first asks
+// the kernel to read the whole image (EROFS reads a file-backed image's metadata one
+// block at a time, each a synchronous read, with no readahead). Mounted views are
+// found again after a restart from the mount table: the overlay's source names the
+// image key ("tidepool-kview:<key>").
 //
 // Nothing verifies object bytes at read time on this path (no fs-verity): objects are
 // verified when they enter the store, and the view only ever points at objects of

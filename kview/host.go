@@ -89,6 +89,7 @@ func (h *Host) mount(ctx context.Context, dir string, spec Spec, imageOnly bool)
 	if err != nil {
 		return err
 	}
+	prefetchImage(ctx, img)
 	if imageOnly {
 		err = mountImage(img, dir)
 	} else {
@@ -101,11 +102,14 @@ func (h *Host) mount(ctx context.Context, dir string, spec Spec, imageOnly bool)
 	return nil
 }
 
-// Build builds spec's image into the cache unless it is there, without mounting it,
-// so that a view of that tree mounted later finds it built (a warm pool's next claim
-// on a fork's new root). It does not hydrate: a tree not all local fails with a
-// *MissingError.
-func (h *Host) Build(ctx context.Context, spec Spec) error {
+// Prebuild builds spec's image if it is not cached, as Mount would, without mounting
+// anything: a caller that knows a view is coming (the snapshotter, once it knows the
+// fork's root) starts it while it does other work (fork records, the overlay
+// snapshot), and the Mount that follows finds the image built or waits for this
+// build (single-flight); a warm pool builds a fork's next root the same way so that
+// its next claim finds it. A tree with objects missing fails with a *MissingError;
+// Prebuild does not hydrate them (Mount does).
+func (h *Host) Prebuild(ctx context.Context, spec Spec) error {
 	if spec.Root.IsZero() {
 		return fmt.Errorf("kernel view image: no tree: %w", errdefs.ErrInvalidArgument)
 	}

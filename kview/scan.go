@@ -32,9 +32,8 @@ type Tree struct {
 	// the object (objects stored before the index existed, or by LunarFS).
 	Indexed, Stated int
 
-	objects []casstore.Hash   // the objects files point at, each once
-	dirs    map[string]*node  // every directory by its path in the image ("." for the top)
-	links   map[string]string // every symlink's target by its path in the image
+	objects  []casstore.Hash // the objects files point at, each once
+	symlinks int
 }
 
 // dirScan is what one tree object gives: its entries, and for each entry the size
@@ -76,16 +75,18 @@ func scan(ctx context.Context, store *casstore.Store, spec Spec, memo *treeMemo)
 	if err != nil {
 		return nil, err
 	}
+	// Entries of distinct tree objects: the number of files in a tree without shared
+	// subtrees, sizing the object list and its set once instead of growing them.
+	hint := 0
+	for _, ds := range scans {
+		hint += len(ds.tree)
+	}
 	as := &assembler{ctx: ctx, scans: scans, budget: casstore.DefaultLimits(),
-		missing: map[casstore.Hash]struct{}{}, seen: map[casstore.Hash]struct{}{},
-		t: &Tree{spec: spec, dirs: map[string]*node{}, links: map[string]string{}}}
+		missing: map[casstore.Hash]struct{}{}, seen: make(map[casstore.Hash]struct{}, hint),
+		t: &Tree{spec: spec, objects: make([]casstore.Hash, 0, hint)}}
 	t := as.t
 	owned := &node{mode: fs.ModeDir | 0o755, hash: spec.Root, owned: true}
-	top := "."
-	if spec.Prefix != "" {
-		top = spec.Prefix
-	}
-	if err := as.dir(owned, spec.Root, top, 0); err != nil {
+	if err := as.dir(owned, spec.Root, 0); err != nil {
 		return nil, err
 	}
 	if len(as.order) > 0 {
@@ -102,12 +103,9 @@ func scan(ctx context.Context, store *casstore.Store, spec Spec, memo *treeMemo)
 		cur := owned
 		for i := len(parts) - 2; i >= -1; i-- {
 			p := &node{mode: fs.ModeDir | 0o755, children: []*node{cur}, subdirs: 1}
-			dir := "."
 			if i >= 0 {
 				p.name = parts[i]
-				dir = strings.Join(parts[:i+1], "/")
 			}
-			t.dirs[dir] = p
 			cur = p
 			t.Dirs++
 		}
@@ -191,10 +189,9 @@ func (as *assembler) miss(h casstore.Hash) {
 	}
 }
 
-func (as *assembler) dir(n *node, h casstore.Hash, p string, depth int) error {
+func (as *assembler) dir(n *node, h casstore.Hash, depth int) error {
 	t := as.t
 	t.Dirs++
-	t.dirs[p] = n
 	if depth > as.budget.MaxDepth {
 		return fmt.Errorf("tree %s: deeper than %d directories: %w", t.spec.Root.Short(), as.budget.MaxDepth, casstore.ErrTreeLimit)
 	}
@@ -222,7 +219,7 @@ func (as *assembler) dir(n *node, h casstore.Hash, p string, depth int) error {
 		case casstore.ModeDir:
 			c.mode = fs.ModeDir | 0o755
 			n.subdirs++
-			if err := as.dir(c, e.Hash, childPath(p, e.Name), depth+1); err != nil {
+			if err := as.dir(c, e.Hash, depth+1); err != nil {
 				return err
 			}
 		case casstore.ModeSymlink:
@@ -231,7 +228,7 @@ func (as *assembler) dir(n *node, h casstore.Hash, p string, depth int) error {
 				as.miss(e.Hash)
 			}
 			c.target = ds.targets[i]
-			t.links[childPath(p, e.Name)] = c.target
+			t.symlinks++
 		case casstore.ModeFile, casstore.ModeExec:
 			c.mode = 0o644
 			if e.Mode == casstore.ModeExec {
@@ -254,13 +251,6 @@ func (as *assembler) dir(n *node, h casstore.Hash, p string, depth int) error {
 		}
 	}
 	return nil
-}
-
-func childPath(dir, name string) string {
-	if dir == "." {
-		return name
-	}
-	return dir + "/" + name
 }
 
 // objDirs reads objects relative to their fan-out directories (opened once per

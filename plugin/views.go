@@ -156,6 +156,17 @@ func (h *ViewHost) mountKernel(ctx context.Context, dir string, spec snapshotter
 	return false, nil
 }
 
+// Prebuild implements snapshotter.ViewHost: it builds a kernel view's image ahead of
+// its Mount (see kview.Host.Prebuild)
+// when the view will be a kernel one; otherwise it does nothing. In auto mode a tree
+// with objects missing is left to Mount, which serves it with FUSE.
+func (h *ViewHost) Prebuild(ctx context.Context, spec snapshotter.ViewSpec) error {
+	if h.kernel == nil || spec.Root.IsZero() {
+		return nil
+	}
+	return h.kernel.Prebuild(ctx, kview.Spec{Root: spec.Root, Prefix: spec.Prefix, UID: spec.UID, GID: spec.GID})
+}
+
 func alive(v *fuse.View) bool {
 	select {
 	case <-v.Done():
@@ -196,15 +207,6 @@ func (h *ViewHost) Mount(ctx context.Context, dir string, spec snapshotter.ViewS
 	}
 	h.views[dir] = v
 	return nil
-}
-
-// Prebuild implements snapshotter.ViewHost: it builds the image of a tree that a
-// kernel view would show, unless the host serves no kernel views.
-func (h *ViewHost) Prebuild(ctx context.Context, spec snapshotter.ViewSpec) error {
-	if h.kernel == nil || spec.Root.IsZero() {
-		return nil
-	}
-	return h.kernel.Build(ctx, kview.Spec{Root: spec.Root, Prefix: spec.Prefix, UID: spec.UID, GID: spec.GID})
 }
 
 // Bind implements snapshotter.ViewHost.

@@ -185,3 +185,45 @@ func TestKernelViewManyLayers(t *testing.T) {
 		}
 	}
 }
+
+// TestKernelViewPrebuilt: Prepare starts a kernel view's image as soon as it knows the
+// root (kview.Host.Prebuild), and the mount finds that build instead of building
+// again; a Prepare that fails after the build started (its parent does not exist)
+// still waits for the build, so nothing of it outlives the call.
+func TestKernelViewPrebuilt(t *testing.T) {
+	requireRoot(t)
+	if err := kview.Probe(t.TempDir()); err != nil {
+		t.Skip(err)
+	}
+	t.Setenv("TIDEPOOL_VIEWS_MODE", "kernel")
+	ctx := context.Background()
+	root := t.TempDir()
+	e := newEnv(t, root)
+	e.imageLayer(t, "layer1", imageFiles)
+	src := ingestFiles(t, e.store, sourceFiles)
+	stats := e.views.Kernel().Stats()
+	if _, err := e.sn.Prepare(ctx, "c1", "layer1", labels(binding.LabelFork, src.String(), binding.LabelWorkdir, "/app")); err != nil {
+		t.Fatal(err)
+	}
+	if b, h := stats.Builds.Load(), stats.CacheHits.Load(); b != 1 || h != 1 {
+		t.Fatalf("after one Prepare: %d image builds and %d cache hits, want 1 build (the prebuild) and 1 hit (the mount)", b, h)
+	}
+	if _, err := e.sn.Prepare(ctx, "c2", "no-such-parent", labels(binding.LabelFork, src.String(), binding.LabelWorkdir, "/app", binding.LabelOwner, "7:7")); err == nil {
+		t.Fatal("Prepare over a missing parent succeeded")
+	}
+	if b := stats.Builds.Load(); b != 2 {
+		t.Fatalf("%d image builds after a failed Prepare of a new owner's view, want 2: the prebuild ran to its end before Prepare returned", b)
+	}
+	ents, err := os.ReadDir(e.views.Kernel().Cache().Dir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, de := range ents {
+		if strings.HasPrefix(de.Name(), ".tmp-") {
+			t.Errorf("image cache holds %s after Prepare returned", de.Name())
+		}
+	}
+	if err := e.sn.Remove(ctx, "c1"); err != nil {
+		t.Fatal(err)
+	}
+}

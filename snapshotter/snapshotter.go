@@ -278,7 +278,14 @@ func (s *Snapshotter) create(ctx context.Context, kind snapshots.Kind, key, pare
 	extra := map[string]string{}
 	var created string
 	if !spec.LateBind {
-		forkID, root, isNew, err := s.resolveFork(ctx, spec.Fork, key)
+		// The view's costly part (a kernel view's image) starts as soon as the root is
+		// known, alongside the fork record, the overlay snapshot and the pin; the mount
+		// below joins it. It never outlives this call.
+		prebuilt := func() {}
+		defer func() { prebuilt() }()
+		forkID, root, isNew, err := s.resolveForkThen(ctx, spec.Fork, key, func(root casstore.Hash) {
+			prebuilt = s.prebuild(ctx, ViewSpec{Root: root, Prefix: spec.Prefix(), UID: spec.UID, GID: spec.GID})
+		})
 		if err != nil {
 			return nil, fmt.Errorf("prepare %s: invalid %s=%q: %w", key, binding.LabelFork, spec.Fork, err)
 		}
@@ -388,8 +395,18 @@ func (s *Snapshotter) ensureView(ctx context.Context, sn storage.Snapshot, b bou
 // gets a record of its own, labelled with the snapshot key, so the container's result
 // can always be found with `tidepool forks`.
 func (s *Snapshotter) resolveFork(ctx context.Context, ref, key string) (forkID string, root casstore.Hash, isNew bool, err error) {
+	return s.resolveForkThen(ctx, ref, key, nil)
+}
+
+// resolveForkThen is resolveFork calling onRoot (if not nil) with the root once it is
+// known to be a usable tree here, before the fork record is written.
+func (s *Snapshotter) resolveForkThen(ctx context.Context, ref, key string, onRoot func(casstore.Hash)) (forkID string, root casstore.Hash, isNew bool, err error) {
 	if name, ok := binding.RemoteRef(ref); ok {
-		return s.resolveRemoteFork(ctx, name, key)
+		forkID, root, isNew, err = s.resolveRemoteFork(ctx, name, key)
+		if err == nil && onRoot != nil {
+			onRoot(root)
+		}
+		return forkID, root, isNew, err
 	}
 	t, err := forks.Resolve(ctx, s.forks, ref)
 	if err != nil {
@@ -403,6 +420,9 @@ func (s *Snapshotter) resolveFork(ctx context.Context, ref, key string) (forkID 
 	}
 	if err := s.checkRoot(t.Root); err != nil {
 		return "", root, false, err
+	}
+	if onRoot != nil {
+		onRoot(t.Root)
 	}
 	if t.Fork != nil {
 		return t.Fork.ID, t.Root, false, nil
@@ -760,4 +780,20 @@ func (s *Snapshotter) detachStaleViews(ctx context.Context) {
 func (s *Snapshotter) Close() error {
 	s.records.running.Wait()
 	return s.overlay.Close()
+}
+
+// prebuild starts the views host's Prebuild of spec, as soon as the root is known, so
+// that it overlaps with writing the fork record, preparing the overlay snapshot and
+// pinning the root, and returns a function that waits for it. Its error is only
+// logged: the Mount that follows meets the same condition and reports it (or serves
+// the view another way).
+func (s *Snapshotter) prebuild(ctx context.Context, spec ViewSpec) (wait func()) {
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		if err := s.views.Prebuild(ctx, spec); err != nil {
+			log.G(ctx).WithError(err).WithField("root", spec.Root.Short()).Debug("view not prebuilt")
+		}
+	}()
+	return func() { <-done }
 }
