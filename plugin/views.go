@@ -52,8 +52,9 @@ type ViewHost struct {
 	kernel    *kview.Host // nil: no kernel views (mode fuse, or auto on a kernel without support)
 	kernelErr error       // why kernel is nil in auto mode
 
-	mu    sync.Mutex
-	views map[string]*fuse.View
+	mu       sync.Mutex
+	views    map[string]*fuse.View
+	mounting map[string]bool // directories whose Mount is under way
 }
 
 var _ snapshotter.ViewHost = (*ViewHost)(nil)
@@ -157,8 +158,8 @@ func (h *ViewHost) mountKernel(ctx context.Context, dir string, spec snapshotter
 }
 
 // Prebuild implements snapshotter.ViewHost: it builds a kernel view's image ahead of
-// its Mount (see kview.Host.Prebuild)
-// when the view will be a kernel one; otherwise it does nothing. In auto mode a tree
+// its Mount (see kview.Host.Prebuild) when the view will be a kernel one; otherwise it
+// does nothing. In auto mode a tree
 // with objects missing is left to Mount, which serves it with FUSE.
 func (h *ViewHost) Prebuild(ctx context.Context, spec snapshotter.ViewSpec) error {
 	if h.kernel == nil || spec.Root.IsZero() {
@@ -177,10 +178,25 @@ func alive(v *fuse.View) bool {
 }
 
 // Mount implements snapshotter.ViewHost.
+// Views of different directories are mounted in parallel (a burst of pool claims
+// mounts one each): the host's lock covers its maps, not the mounts.
 func (h *ViewHost) Mount(ctx context.Context, dir string, spec snapshotter.ViewSpec) error {
 	h.mu.Lock()
-	defer h.mu.Unlock()
-	if v, ok := h.views[dir]; ok && alive(v) || kview.IsMounted(dir) {
+	if v, ok := h.views[dir]; ok && alive(v) || h.mounting[dir] {
+		h.mu.Unlock()
+		return fmt.Errorf("a view is already mounted at %s: %w", dir, errdefs.ErrAlreadyExists)
+	}
+	if h.mounting == nil {
+		h.mounting = map[string]bool{}
+	}
+	h.mounting[dir] = true
+	h.mu.Unlock()
+	defer func() {
+		h.mu.Lock()
+		delete(h.mounting, dir)
+		h.mu.Unlock()
+	}()
+	if kview.IsMounted(dir) {
 		return fmt.Errorf("a view is already mounted at %s: %w", dir, errdefs.ErrAlreadyExists)
 	}
 	// Whatever a dead server left there would make the mount fail.
@@ -205,7 +221,9 @@ func (h *ViewHost) Mount(ctx context.Context, dir string, spec snapshotter.ViewS
 	if err != nil {
 		return err
 	}
+	h.mu.Lock()
 	h.views[dir] = v
+	h.mu.Unlock()
 	return nil
 }
 
