@@ -4,7 +4,9 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"strings"
 	"syscall"
+	"time"
 
 	"github.com/containerd/cgroups/v3"
 	"github.com/containerd/cgroups/v3/cgroup1"
@@ -120,4 +122,27 @@ func (v1Cgroups) Delete(path string) error {
 	}
 	cg.Thaw()
 	return cg.Delete()
+}
+
+// removeCgroup removes a cgroup of a member once it is empty, waiting a moment for
+// the last exits; with kill, whatever still runs in it is killed first (a
+// member's own cgroup that no task owns any more: a runc init left by a create
+// that was cut short). A cgroupsPath in systemd's form (slice:prefix:name) is not a
+// cgroupfs path and is left to systemd.
+func removeCgroup(cg cgroupHost, path string, kill bool) error {
+	if strings.Contains(path, ":") {
+		return nil
+	}
+	var err error
+	for i := 0; i < 50; i++ {
+		if kill {
+			cg.Signal(path, syscall.SIGKILL)
+			cg.Thaw(path) // a frozen cgroup holds the signal until it thaws
+		}
+		if err = cg.Delete(path); err == nil {
+			return nil
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	return err
 }

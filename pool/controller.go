@@ -403,7 +403,38 @@ func (d *destroyer) destroy(ctx context.Context, ctr containerd.Container) {
 	}()
 }
 
+// reconcileCreates finishes the member creations a killed tidepoold left half
+// done: each creation's lease (see Pool.create) still names its member; a member
+// whose container was never made leaves a prepared snapshot that nothing else
+// would remove for a day, so it is removed here, and every such lease goes.
+func (c *Controller) reconcileCreates(ctx context.Context, ns string) {
+	cl := c.containerd()
+	ls, err := cl.LeasesService().List(ctx, fmt.Sprintf("labels.%q", LabelMember))
+	if err != nil {
+		log.G(ctx).WithError(err).WithField("namespace", ns).Warn("pools: cannot list member creation leases")
+		return
+	}
+	for _, l := range ls {
+		id := l.Labels[LabelMember]
+		logger := log.G(ctx).WithField("member", id).WithField("namespace", ns)
+		if !strings.HasPrefix(id, MemberIDPrefix) || l.ID != id {
+			continue // not a lease Pool.create made
+		}
+		if _, err := cl.LoadContainer(ctx, id); errdefs.IsNotFound(err) {
+			if err := cl.SnapshotService(c.cfg.Snapshotter).Remove(ctx, id); err != nil && !errdefs.IsNotFound(err) {
+				logger.WithError(err).Warn("pools: cannot remove the snapshot of a member whose creation was cut short")
+				continue // its lease stays: the next start tries again
+			}
+			logger.Info("pools: removed the snapshot of a member whose creation was cut short")
+		}
+		if err := cl.LeasesService().Delete(ctx, l); err != nil && !errdefs.IsNotFound(err) {
+			logger.WithError(err).Warn("pools: cannot delete a member creation lease")
+		}
+	}
+}
+
 func (c *Controller) reconcileNamespace(ctx context.Context, ns string, known map[string]bool, d *destroyer) {
+	c.reconcileCreates(ctx, ns)
 	list, err := c.containerd().Containers(ctx, fmt.Sprintf("labels.%q", LabelMember))
 	if err != nil {
 		log.G(ctx).WithError(err).WithField("namespace", ns).Warn("pools: cannot list members to reconcile")
@@ -465,19 +496,32 @@ func (c *Controller) destroyContainer(ctx context.Context, ctr containerd.Contai
 	ctx = context.WithoutCancel(ctx)
 	labels, _ := ctr.Labels(ctx)
 	moved := labels[LabelCgroup]
-	if task, err := ctr.Task(ctx, nil); err == nil {
+	var own string // the member's own cgroup, runc's cgroupsPath
+	if spec, err := ctr.Spec(ctx); err == nil && spec.Linux != nil {
+		own = spec.Linux.CgroupsPath
+	}
+	task, err := ctr.Task(ctx, nil)
+	switch {
+	case err == nil:
 		killAndDelete(ctx, task, func() {
-			if spec, err := ctr.Spec(ctx); err == nil && spec.Linux != nil && spec.Linux.CgroupsPath != "" {
-				c.cgroups.Thaw(spec.Linux.CgroupsPath) // an idle member frozen by freezeMember
+			if own != "" {
+				c.cgroups.Thaw(own) // an idle member frozen by freezeMember
 			}
 			if moved != "" {
 				c.cgroups.Signal(moved, syscall.SIGKILL)
 				c.cgroups.Thaw(moved)
 			}
 		})
+	case errdefs.IsNotFound(err) && own != "":
+		// A member whose creation a killed tidepoold cut short has no task, but
+		// runc may have made its cgroup (and started its init) before it was
+		// stopped: nothing else would remove them.
+		if err := removeCgroup(c.cgroups, own, true); err != nil {
+			log.G(ctx).WithError(err).WithField("member", ctr.ID()).WithField("cgroup", own).Warn("pools: cannot remove the cgroup of a member that never started")
+		}
 	}
 	if moved != "" {
-		if err := c.cgroups.Delete(moved); err != nil {
+		if err := removeCgroup(c.cgroups, moved, true); err != nil {
 			log.G(ctx).WithError(err).WithField("member", ctr.ID()).WithField("cgroup", moved).Warn("pools: cannot remove the container cgroup of a member")
 		}
 	}

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"reflect"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -338,5 +339,53 @@ func TestAdoptAppliesCgroup(t *testing.T) {
 	}
 	if calls := m.task.(*fakeTask).called(); !reflect.DeepEqual(calls, []string{"resume", "pause", "kill 9", "resume", "delete"}) {
 		t.Fatalf("member task calls %v", calls)
+	}
+}
+
+// TestDestroyRemovesCgroupOfUnstartedMember: a member whose task create failed, or
+// was cut short by a killed tidepoold, has no task, but runc may have made its
+// cgroup: destroying it (in the pool, or at reconcile) kills what is left in that
+// cgroup and removes it. A member with a task leaves its cgroup to runc's delete;
+// a systemd-style path is not touched.
+func TestDestroyRemovesCgroupOfUnstartedMember(t *testing.T) {
+	c, sn, cg := testController(t, Template{})
+	spec := &specs.Spec{Linux: &specs.Linux{CgroupsPath: "/default/m-unstarted"}}
+
+	// In the pool: create failed before a task existed.
+	m := newFakeMember(t, c.pools["node"][0], sn, spec, "p", time.Now())
+	m.task, m.cgroup = nil, "/default/m-unstarted"
+	c.pools["node"][0].destroy(context.Background(), m)
+	if got, want := cg.done(), []string{"signal 9 /default/m-unstarted", "thaw /default/m-unstarted", "delete /default/m-unstarted"}; !slices.Equal(got, want) {
+		t.Fatalf("destroy without a task: cgroup ops %q, want %q", got, want)
+	}
+	if !m.container.(*fakeContainer).isDeleted() {
+		t.Fatal("the container was not deleted")
+	}
+
+	// At reconcile: a left container with no task.
+	cg.ops = nil
+	ctr := &fakeContainer{id: "m2", spec: &specs.Spec{Linux: &specs.Linux{CgroupsPath: "/default/m2"}}}
+	c.destroyContainer(context.Background(), ctr)
+	if got, want := cg.done(), []string{"signal 9 /default/m2", "thaw /default/m2", "delete /default/m2"}; !slices.Equal(got, want) {
+		t.Fatalf("reconcile without a task: cgroup ops %q, want %q", got, want)
+	}
+
+	// With a task, runc's delete removes the cgroup: only the thaw after the kill.
+	cg.ops = nil
+	task := newFakeTask(42)
+	ctr = &fakeContainer{id: "m3", spec: &specs.Spec{Linux: &specs.Linux{CgroupsPath: "/default/m3"}}, task: task}
+	c.destroyContainer(context.Background(), ctr)
+	if got, want := cg.done(), []string{"thaw /default/m3"}; !slices.Equal(got, want) {
+		t.Fatalf("reconcile with a task: cgroup ops %q, want %q", got, want)
+	}
+	if calls := task.called(); !slices.Contains(calls, "delete") {
+		t.Fatalf("task calls %q: not deleted", calls)
+	}
+
+	// systemd's slice:prefix:name is no cgroupfs path.
+	cg.ops = nil
+	c.destroyContainer(context.Background(), &fakeContainer{id: "m4", spec: &specs.Spec{Linux: &specs.Linux{CgroupsPath: "system.slice:tp:m4"}}})
+	if got := cg.done(); len(got) != 0 {
+		t.Fatalf("systemd path: cgroup ops %q", got)
 	}
 }

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	containerd "github.com/containerd/containerd/v2/client"
+	"github.com/containerd/containerd/v2/pkg/cio"
 	"github.com/containerd/containerd/v2/core/mount"
 	"github.com/containerd/containerd/v2/core/snapshots"
 	"github.com/containerd/containerd/v2/pkg/oci"
@@ -78,10 +79,28 @@ type fakeContainer struct {
 	spec    *specs.Spec
 	mu      sync.Mutex
 	labels  map[string]string
+	task    containerd.Task
 	deleted bool
 }
 
 func (c *fakeContainer) ID() string                              { return c.id }
+func (c *fakeContainer) Labels(context.Context) (map[string]string, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	l := map[string]string{}
+	for k, v := range c.labels {
+		l[k] = v
+	}
+	return l, nil
+}
+
+// Task: a fake container has a task only when one was given.
+func (c *fakeContainer) Task(context.Context, cio.Attach) (containerd.Task, error) {
+	if c.task == nil {
+		return nil, fmt.Errorf("no task for container %s: %w", c.id, errdefs.ErrNotFound)
+	}
+	return c.task, nil
+}
 func (c *fakeContainer) Spec(context.Context) (*oci.Spec, error) { return clone(c.spec), nil }
 func (c *fakeContainer) SetLabels(_ context.Context, l map[string]string) (map[string]string, error) {
 	c.mu.Lock()

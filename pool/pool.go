@@ -17,6 +17,7 @@ import (
 	runtimeoptions "github.com/containerd/containerd/api/types/runtimeoptions/v1"
 	containerd "github.com/containerd/containerd/v2/client"
 	"github.com/containerd/containerd/v2/core/containers"
+	"github.com/containerd/containerd/v2/core/leases"
 	"github.com/containerd/containerd/v2/core/snapshots"
 	"github.com/containerd/containerd/v2/pkg/cio"
 	"github.com/containerd/containerd/v2/pkg/namespaces"
@@ -323,7 +324,16 @@ func (p *Pool) create(ctx context.Context) (_ *Member, retErr error) {
 	if c.cfg.ShimConfig != "" {
 		rtOpts = &runtimeoptions.Options{ConfigPath: c.cfg.ShimConfig}
 	}
-	ctr, err := cl.NewContainer(ctx, id,
+	// The snapshot is prepared, then the container made, under a lease of our own
+	// that names the member: a tidepoold killed between the two leaves a snapshot
+	// no container holds (the client's own lease would keep it for a day), which
+	// the next start finds by this lease and removes (reconcileCreates).
+	lctx, leaseDone, err := cl.WithLease(ctx, leases.WithID(id), leases.WithExpiration(24*time.Hour),
+		leases.WithLabels(map[string]string{LabelMember: id}))
+	if err != nil {
+		return nil, fmt.Errorf("lease for member %s: %w", id, err)
+	}
+	ctr, err := cl.NewContainer(lctx, id,
 		containerd.WithImage(image),
 		containerd.WithSnapshotter(c.cfg.Snapshotter),
 		containerd.WithNewSnapshot(id, image, snapshots.WithLabels(snapLabels)),
@@ -334,6 +344,11 @@ func (p *Pool) create(ctx context.Context) (_ *Member, retErr error) {
 			LabelCreated: strconv.FormatInt(m.created.Unix(), 10),
 		}),
 	)
+	// Once made, the container holds its snapshot; if it was not made, dropping the
+	// lease lets containerd's GC collect the snapshot.
+	if derr := leaseDone(context.WithoutCancel(ctx)); derr != nil {
+		log.G(ctx).WithError(derr).WithField("member", id).Warn("pools: cannot delete a member's creation lease; the next start does")
+	}
 	if err != nil {
 		return nil, fmt.Errorf("create member container: %w", err)
 	}
@@ -563,15 +578,16 @@ func (p *Pool) destroy(ctx context.Context, m *Member) {
 		})
 	}
 	if m.movedTo != "" {
-		var err error
-		for i := 0; i < 50; i++ { // the last exits may still be under way
-			if err = p.c.cgroups.Delete(m.movedTo); err == nil {
-				break
-			}
-			time.Sleep(20 * time.Millisecond)
-		}
-		if err != nil {
+		if err := removeCgroup(p.c.cgroups, m.movedTo, false); err != nil {
 			log.G(ctx).WithError(err).WithField("member", m.id).WithField("cgroup", m.movedTo).Warn("pools: cannot remove the container cgroup of a member")
+		}
+	}
+	if m.task == nil && m.cgroup != "" {
+		// A member whose task create failed or was cut short: runc may have made
+		// its cgroup (and started its init) before it stopped, and with no task no
+		// runc delete removes them.
+		if err := removeCgroup(p.c.cgroups, m.cgroup, true); err != nil {
+			log.G(ctx).WithError(err).WithField("member", m.id).WithField("cgroup", m.cgroup).Warn("pools: cannot remove the cgroup of a member that never started")
 		}
 	}
 	if m.container != nil {

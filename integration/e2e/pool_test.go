@@ -219,14 +219,14 @@ func checkOnlyMembers(t testing.TB, s *stack.Stack, n int) string {
 	if len(ctrs) != n {
 		return fmt.Sprintf("%d containers: %v", len(ctrs), ctrs)
 	}
-	active := 0
+	var active []string
 	for _, line := range strings.Split(s.MustCtr(t, "snapshot", "--snapshotter", "tidepool", "ls"), "\n") {
 		if strings.Contains(line, "Active") {
-			active++
+			active = append(active, strings.Fields(line)[0])
 		}
 	}
-	if active != n {
-		return fmt.Sprintf("%d active snapshots", active)
+	if len(active) != n {
+		return fmt.Sprintf("%d active snapshots: %v (containers %v)", len(active), active, ctrs)
 	}
 	views := viewDirs(s)
 	mounts, _ := harness.MountsUnder(s.Root)
