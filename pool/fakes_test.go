@@ -13,9 +13,9 @@ import (
 	"time"
 
 	containerd "github.com/containerd/containerd/v2/client"
-	"github.com/containerd/containerd/v2/pkg/cio"
 	"github.com/containerd/containerd/v2/core/mount"
 	"github.com/containerd/containerd/v2/core/snapshots"
+	"github.com/containerd/containerd/v2/pkg/cio"
 	"github.com/containerd/containerd/v2/pkg/oci"
 	"github.com/containerd/errdefs"
 	specs "github.com/opencontainers/runtime-spec/specs-go"
@@ -83,7 +83,7 @@ type fakeContainer struct {
 	deleted bool
 }
 
-func (c *fakeContainer) ID() string                              { return c.id }
+func (c *fakeContainer) ID() string { return c.id }
 func (c *fakeContainer) Labels(context.Context) (map[string]string, error) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
