@@ -10,6 +10,8 @@ import (
 	"github.com/containerd/errdefs"
 	"github.com/moby/sys/mountinfo"
 	"golang.org/x/sys/unix"
+
+	"github.com/tidepool-dev/tidepool/internal/mountapi"
 )
 
 // SourcePrefix starts the source of every kernel view's overlay mount; the image key
@@ -92,54 +94,17 @@ func mountView(image, objects, key, dir string) error {
 	return nil
 }
 
-// fsmount creates a detached mount of fstype with the new mount API: string
-// parameters first (in a fixed order), then whatever more sets, and returns the
-// mount's fd. Failures carry the kernel's own message from the context log.
+// fsmount creates a detached, read-only mount of fstype with the new mount API:
+// string parameters first (in a fixed order), then whatever more sets, and returns
+// the mount's fd. Failures carry the kernel's own message from the context log.
 func fsmount(fstype string, params map[string]string, more func(fd int) error) (int, error) {
-	fd, err := unix.Fsopen(fstype, unix.FSOPEN_CLOEXEC)
-	if err != nil {
-		return -1, fmt.Errorf("fsopen %s: %w", fstype, err)
-	}
-	defer unix.Close(fd)
+	var ordered [][2]string
 	for _, k := range []string{"source", "metacopy", "redirect_dir"} {
-		v, ok := params[k]
-		if !ok {
-			continue
-		}
-		if err := unix.FsconfigSetString(fd, k, v); err != nil {
-			return -1, fmt.Errorf("%s=%s: %w%s", k, v, err, fsLog(fd))
+		if v, ok := params[k]; ok {
+			ordered = append(ordered, [2]string{k, v})
 		}
 	}
-	if more != nil {
-		if err := more(fd); err != nil {
-			return -1, fmt.Errorf("%w%s", err, fsLog(fd))
-		}
-	}
-	if err := unix.FsconfigCreate(fd); err != nil {
-		return -1, fmt.Errorf("create %s: %w%s", fstype, err, fsLog(fd))
-	}
-	mfd, err := unix.Fsmount(fd, unix.FSMOUNT_CLOEXEC, unix.MOUNT_ATTR_RDONLY|unix.MOUNT_ATTR_NODEV|unix.MOUNT_ATTR_NOSUID)
-	if err != nil {
-		return -1, fmt.Errorf("fsmount %s: %w%s", fstype, err, fsLog(fd))
-	}
-	return mfd, nil
-}
-
-// fsLog reads the messages the kernel left in a filesystem context.
-func fsLog(fd int) string {
-	var msgs []string
-	buf := make([]byte, 1024)
-	for range 16 {
-		n, err := unix.Read(fd, buf)
-		if err != nil || n <= 0 {
-			break
-		}
-		msgs = append(msgs, strings.TrimSpace(string(buf[:n])))
-	}
-	if len(msgs) == 0 {
-		return ""
-	}
-	return " (kernel: " + strings.Join(msgs, "; ") + ")"
+	return mountapi.Detached(fstype, ordered, more, unix.MOUNT_ATTR_RDONLY|unix.MOUNT_ATTR_NODEV|unix.MOUNT_ATTR_NOSUID)
 }
 
 // unmountView detaches the view at dir. A dir with no kernel view mounted is fine.

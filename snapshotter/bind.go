@@ -178,32 +178,49 @@ func (s *Snapshotter) bindFresh(ctx context.Context, key string, sn storage.Snap
 	return BindResult{Key: key, ForkID: forkID, Root: root, Mounts: mounts}, nil
 }
 
+// forkToBind resolves the fork a late or slot bind names (creating it from a root)
+// and takes the store's hold with the fork's root present. The root's pin is written
+// behind the claim (record.go); until it is durable the hold stays taken, so no
+// collection runs without it: release it (hold) once the bind failed or its record
+// landed. undo removes a fork the resolution created, for a bind that failed.
+func (s *Snapshotter) forkToBind(ctx context.Context, key string, want binding.Spec) (forkID string, root casstore.Hash, hold, undo func(), err error) {
+	forkID, root, isNew, err := s.resolveFork(ctx, want.Fork, key)
+	if err != nil {
+		return "", root, nil, nil, fmt.Errorf("bind %s: fork %q: %w", key, want.Fork, err)
+	}
+	undo = func() {
+		if isNew {
+			_ = s.forks.Remove(context.WithoutCancel(ctx), forkID)
+		}
+	}
+	if hold, err = s.store.Hold(); err != nil {
+		undo()
+		return "", root, nil, nil, fmt.Errorf("bind %s: pin root: %w", key, err)
+	}
+	if ok, err := s.store.Has(root); err != nil || !ok {
+		hold()
+		undo()
+		if err == nil {
+			err = forks.ErrRootGone
+		}
+		return "", root, nil, nil, fmt.Errorf("bind %s: pin root %s: %w", key, root, err)
+	}
+	return forkID, root, hold, undo, nil
+}
+
 // bindLate binds a fork to a snapshot prepared late-bound. Once the view is bound
 // it takes over the release of key's lock (*unlock), which it hands to the write of
 // the binding's labels behind the claim (record.go).
 func (s *Snapshotter) bindLate(ctx context.Context, key string, sn storage.Snapshot, have bound, want binding.Spec, unlock *func()) (_ BindResult, retErr error) {
-	forkID, root, isNew, err := s.resolveFork(ctx, want.Fork, key)
+	forkID, root, hold, undo, err := s.forkToBind(ctx, key, want)
 	if err != nil {
-		return BindResult{}, fmt.Errorf("bind %s: fork %q: %w", key, want.Fork, err)
+		return BindResult{}, err
 	}
 	defer func() {
-		if retErr != nil && isNew {
-			_ = s.forks.Remove(context.WithoutCancel(ctx), forkID)
+		if retErr != nil {
+			undo()
 		}
 	}()
-	// The root's pin is written behind the claim too (record.go); until it is
-	// durable, the store's GC lock stays held, so no collection runs without it.
-	hold, err := s.store.Hold()
-	if err != nil {
-		return BindResult{}, fmt.Errorf("bind %s: pin root: %w", key, err)
-	}
-	if ok, err := s.store.Has(root); err != nil || !ok {
-		hold()
-		if err == nil {
-			err = forks.ErrRootGone
-		}
-		return BindResult{}, fmt.Errorf("bind %s: pin root %s: %w", key, root, err)
-	}
 	dir := s.viewDir(sn.ID)
 	if err := s.ensureView(ctx, sn, have); err != nil {
 		hold()

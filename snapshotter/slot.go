@@ -18,7 +18,7 @@ import (
 
 	"github.com/tidepool-dev/tidepool/binding"
 	"github.com/tidepool-dev/tidepool/casstore"
-	"github.com/tidepool-dev/tidepool/casstore/forks"
+	"github.com/tidepool-dev/tidepool/internal/mountapi"
 )
 
 // Slots: how a warm pool member gets a kernel view at claim.
@@ -144,26 +144,15 @@ func (s *Snapshotter) unmountSlot(ctx context.Context, id string) error {
 // that binds it. Like bindLate it takes over key's lock (*unlock) and records the
 // binding behind the claim.
 func (s *Snapshotter) bindSlot(ctx context.Context, key string, sn storage.Snapshot, have bound, want binding.Spec, unlock *func()) (_ BindResult, retErr error) {
-	forkID, root, isNew, err := s.resolveFork(ctx, want.Fork, key)
+	forkID, root, hold, undo, err := s.forkToBind(ctx, key, want)
 	if err != nil {
-		return BindResult{}, fmt.Errorf("bind %s: fork %q: %w", key, want.Fork, err)
+		return BindResult{}, err
 	}
 	defer func() {
-		if retErr != nil && isNew {
-			_ = s.forks.Remove(context.WithoutCancel(ctx), forkID)
+		if retErr != nil {
+			undo()
 		}
 	}()
-	hold, err := s.store.Hold()
-	if err != nil {
-		return BindResult{}, fmt.Errorf("bind %s: pin root: %w", key, err)
-	}
-	if ok, err := s.store.Has(root); err != nil || !ok {
-		hold()
-		if err == nil {
-			err = forks.ErrRootGone
-		}
-		return BindResult{}, fmt.Errorf("bind %s: pin root %s: %w", key, root, err)
-	}
 	if err := s.mountSlot(ctx, sn, have.spec, root); err != nil {
 		hold()
 		return BindResult{}, fmt.Errorf("bind %s: %w", key, err)
@@ -322,50 +311,15 @@ func (s *Snapshotter) OpenSlot(ctx context.Context, key string) error {
 // at dir with the new mount API: each layer is a parameter of its own, so no
 // option string bounds their number.
 func mountOverlayAt(params [][2]string, dir string) error {
-	fd, err := unix.Fsopen("overlay", unix.FSOPEN_CLOEXEC)
+	mfd, err := mountapi.Detached("overlay", params, nil, 0)
 	if err != nil {
-		return fmt.Errorf("fsopen overlay: %w", err)
-	}
-	defer unix.Close(fd)
-	for _, p := range params {
-		if p[1] == "" {
-			err = unix.FsconfigSetFlag(fd, p[0])
-		} else {
-			err = unix.FsconfigSetString(fd, p[0], p[1])
-		}
-		if err != nil {
-			return fmt.Errorf("overlay for %s: %s=%s: %w%s", dir, p[0], p[1], err, fsLog(fd))
-		}
-	}
-	if err := unix.FsconfigCreate(fd); err != nil {
-		return fmt.Errorf("create overlay for %s: %w%s", dir, err, fsLog(fd))
-	}
-	mfd, err := unix.Fsmount(fd, unix.FSMOUNT_CLOEXEC, 0)
-	if err != nil {
-		return fmt.Errorf("fsmount overlay for %s: %w%s", dir, err, fsLog(fd))
+		return fmt.Errorf("overlay for %s: %w", dir, err)
 	}
 	defer unix.Close(mfd)
 	if err := unix.MoveMount(mfd, "", unix.AT_FDCWD, dir, unix.MOVE_MOUNT_F_EMPTY_PATH); err != nil {
 		return fmt.Errorf("attach overlay at %s: %w", dir, err)
 	}
 	return nil
-}
-
-// fsLog reads the messages the kernel left in a filesystem context.
-func fsLog(fd int) string {
-	var msgs []string
-	buf := make([]byte, 1024)
-	for range 16 {
-		n, err := unix.Read(fd, buf)
-		if err != nil || n <= 0 {
-			break
-		}
-		msgs = append(msgs, strings.TrimSpace(string(buf[:n])))
-	}
-	if len(msgs) == 0 {
-		return ""
-	}
-	return " (kernel: " + strings.Join(msgs, "; ") + ")"
 }
 
 // slotLayers are the image layers' directories at the workdir (prefix) that the
