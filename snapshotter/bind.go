@@ -235,6 +235,14 @@ func (s *Snapshotter) bindLate(ctx context.Context, key string, sn storage.Snaps
 		hold()
 		return BindResult{}, fmt.Errorf("bind %s: %w", key, err)
 	}
+	s.recordBind(ctx, key, forkID, root, want, hold, unlock, "late")
+	return BindResult{Key: key, ForkID: forkID, Root: root, Mounts: mounts}, nil
+}
+
+// recordBind finishes a late or slot bind that is in place: the binding's labels
+// and the root's pin are written behind the claim (record.go), which then releases
+// the store's hold and key's lock, taken over from the caller (*unlock).
+func (s *Snapshotter) recordBind(ctx context.Context, key, forkID string, root casstore.Hash, want binding.Spec, hold func(), unlock *func(), entrance string) {
 	labels := map[string]string{labelForkID: forkID, labelBase: root.String()}
 	if want.Discard {
 		labels[binding.LabelDiscard] = "true"
@@ -242,8 +250,7 @@ func (s *Snapshotter) bindLate(ctx context.Context, key string, sn storage.Snaps
 	release := *unlock
 	*unlock = nil
 	s.recordBehind(ctx, key, bindRecord{pin: root, labels: labels}, func() { hold(); release() })
-	s.metrics.binds.WithLabelValues("late").Inc()
-	return BindResult{Key: key, ForkID: forkID, Root: root, Mounts: mounts}, nil
+	s.metrics.binds.WithLabelValues(entrance).Inc()
 }
 
 func (s *Snapshotter) setLabels(ctx context.Context, key string, labels map[string]string) error {

@@ -163,14 +163,7 @@ func (s *Snapshotter) bindSlot(ctx context.Context, key string, sn storage.Snaps
 		s.unmountSlotView(ctx, sn.ID)
 		return BindResult{}, fmt.Errorf("bind %s: %w", key, err)
 	}
-	labels := map[string]string{labelForkID: forkID, labelBase: root.String()}
-	if want.Discard {
-		labels[binding.LabelDiscard] = "true"
-	}
-	release := *unlock
-	*unlock = nil
-	s.recordBehind(ctx, key, bindRecord{pin: root, labels: labels}, func() { hold(); release() })
-	s.metrics.binds.WithLabelValues("slot").Inc()
+	s.recordBind(ctx, key, forkID, root, want, hold, unlock, "slot")
 	return BindResult{Key: key, ForkID: forkID, Root: root, Mounts: mounts}, nil
 }
 
