@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"path/filepath"
 	"strings"
 	"syscall"
 	"time"
@@ -114,14 +115,35 @@ func (v1Cgroups) Signal(path string, sig syscall.Signal) error {
 
 func (v1Cgroups) Delete(path string) error {
 	cg, err := cgroup1.Load(cgroup1.StaticPath(path))
-	if err != nil {
-		if errors.Is(err, cgroup1.ErrCgroupDeleted) || os.IsNotExist(err) {
-			return nil
-		}
+	switch {
+	case errors.Is(err, cgroup1.ErrCgroupDeleted) || os.IsNotExist(err):
+	case err != nil:
 		return err
+	default:
+		cg.Thaw()
+		if err := cg.Delete(); err != nil {
+			return err
+		}
 	}
-	cg.Thaw()
-	return cg.Delete()
+	return deleteHybridUnified(path)
+}
+
+// hybridUnified is where a hybrid host mounts the v2 hierarchy beside the v1 ones.
+const hybridUnified = "/sys/fs/cgroup/unified"
+
+// deleteHybridUnified removes path's directory in the v2 hierarchy of a hybrid host:
+// runc makes the container's cgroup there too (the v1 library knows only the v1
+// hierarchies), and its own delete removes it; a member whose runc never got to
+// that delete leaves it. Its processes are gone once the v1 cgroups are.
+func deleteHybridUnified(path string) error {
+	if cgroups.Mode() != cgroups.Hybrid {
+		return nil
+	}
+	dir := filepath.Join(hybridUnified, filepath.Clean("/"+path))
+	if err := os.Remove(dir); err != nil && !os.IsNotExist(err) {
+		return fmt.Errorf("remove cgroup %s: %w", dir, err)
+	}
+	return nil
 }
 
 // removeCgroup removes a cgroup of a member once it is empty, waiting a moment for
