@@ -12,6 +12,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/containerd/log"
 	"github.com/moby/sys/mountinfo"
 	"golang.org/x/sync/singleflight"
 	"golang.org/x/sys/unix"
@@ -21,9 +22,10 @@ import (
 
 // Cache keeps the images of views under one directory, one per (root, prefix, owner):
 // KEY.erofs (the image), KEY.objects (the file objects it points at, 32 bytes each,
-// so a cache hit checks their presence without decoding a tree) and KEY.json (the
-// spec, so collection can tell which roots mounted views show). Each image is built
-// once (single-flight) and shared by every view of that tree.
+// so a cache hit checks their presence without decoding a tree), KEY.owners (where
+// its owned inodes are, to derive the image for another owner: derive.go) and
+// KEY.json (the spec, so collection can tell which roots mounted views show). Each
+// image is built once (single-flight) and shared by every view of that tree.
 type Cache struct {
 	dir   string
 	store *casstore.Store
@@ -33,6 +35,20 @@ type Cache struct {
 	gate  sync.RWMutex
 	stats *Stats
 	memo  *treeMemo // decoded trees, shared by the builds of every image
+
+	// owners indexes the cached images by tree and owner class (derive.go), so that
+	// an image for a new owner can be derived from one of the same tree; filled from
+	// the cache's records on first use, then by every build. An entry may name an
+	// image collected since: deriving from it fails and the image is built.
+	ownersOnce sync.Once
+	ownersMu   sync.Mutex
+	owners     map[treeID]map[bool]Spec
+}
+
+// treeID is a tree as its images show it, whoever owns them.
+type treeID struct {
+	root   casstore.Hash
+	prefix string
 }
 
 // meta is KEY.json.
@@ -95,6 +111,12 @@ func (c *Cache) checkObjects(ctx context.Context, spec Spec, key string) error {
 	if err != nil {
 		return err
 	}
+	return c.checkObjectList(ctx, spec, key, b)
+}
+
+// checkObjectList checks that every object in b (KEY.objects's content) is in the
+// store.
+func (c *Cache) checkObjectList(ctx context.Context, spec Spec, key string, b []byte) error {
 	if len(b)%len(casstore.Hash{}) != 0 {
 		return fmt.Errorf("object list %s is truncated: %w", c.path(key, ".objects"), fs.ErrNotExist)
 	}
@@ -124,10 +146,28 @@ func (c *Cache) checkObjects(ctx context.Context, spec Spec, key string) error {
 	return nil
 }
 
-// build scans the tree and writes KEY.erofs, KEY.objects and KEY.json, each through a
-// temp file and a rename, the image last.
+// build writes KEY.erofs, KEY.objects, KEY.owners and KEY.json, each through a temp
+// file and a rename, the image last: derived from a cached image of the same tree for
+// another owner when there is one of the same owner class (derive.go), else from a
+// scan of the tree.
 func (c *Cache) build(ctx context.Context, spec Spec, key string) error {
 	start := time.Now()
+	if from, ok := c.sibling(spec); ok {
+		size, err := c.derive(ctx, spec, key, from)
+		var miss *MissingError
+		switch {
+		case err == nil:
+			c.stats.Derived.Add(1)
+			c.stats.BuildNanos.Add(int64(time.Since(start)))
+			c.stats.BuildBytes.Add(size)
+			return nil
+		case errors.As(err, &miss), ctx.Err() != nil:
+			return err // the same tree: a scan would find the same objects missing
+		case errors.Is(err, fs.ErrNotExist):
+			c.forget(from) // collected since
+		}
+		log.G(ctx).WithError(err).WithField("from", from.Key()).Debug("kernel view image not derived; building it")
+	}
 	t, err := scan(ctx, c.store, spec, c.memo)
 	if err != nil {
 		return err
@@ -136,21 +176,14 @@ func (c *Cache) build(ctx context.Context, spec Spec, key string) error {
 	for _, h := range t.objects {
 		objs = append(objs, h[:]...)
 	}
-	m, _ := json.Marshal(meta{Root: spec.Root, Prefix: spec.Prefix, UID: spec.UID, GID: spec.GID, Files: t.Files, Bytes: t.Bytes})
-	if err := c.writeFile(key+".objects", func(f *os.File) error { _, err := f.Write(objs); return err }); err != nil {
-		return err
-	}
-	if err := c.writeFile(key+".json", func(f *os.File) error { _, err := f.Write(m); return err }); err != nil {
-		return err
-	}
 	var size int64
-	err = c.writeFile(key+".erofs", func(f *os.File) error {
-		if err := t.WriteImage(f); err != nil {
-			return err
+	err = c.writeAll(spec, key, meta{Files: t.Files, Bytes: t.Bytes}, objs, func(f *os.File) ([]byte, error) {
+		l, err := t.writeImage(f)
+		if err != nil {
+			return nil, err
 		}
-		off, err := f.Seek(0, 2)
-		size = off
-		return err
+		size, err = f.Seek(0, 2)
+		return l.ownerSlots(), err
 	})
 	if err != nil {
 		return err
@@ -159,6 +192,139 @@ func (c *Cache) build(ctx context.Context, spec Spec, key string) error {
 	c.stats.BuildNanos.Add(int64(time.Since(start)))
 	c.stats.BuildBytes.Add(size)
 	return nil
+}
+
+// writeAll writes an image's files: KEY.objects, KEY.json (m with spec's fields
+// set), then the image (written by image, which returns its owner slots), then
+// KEY.owners; an image found without its owner slots is only never derived from.
+// The tree joins the owner index.
+func (c *Cache) writeAll(spec Spec, key string, m meta, objs []byte, image func(*os.File) ([]byte, error)) error {
+	m.Root, m.Prefix, m.UID, m.GID = spec.Root, spec.Prefix, spec.UID, spec.GID
+	mj, _ := json.Marshal(m)
+	if err := c.writeFile(key+".objects", func(f *os.File) error { _, err := f.Write(objs); return err }); err != nil {
+		return err
+	}
+	if err := c.writeFile(key+".json", func(f *os.File) error { _, err := f.Write(mj); return err }); err != nil {
+		return err
+	}
+	var slots []byte
+	err := c.writeFile(key+".erofs", func(f *os.File) (err error) {
+		slots, err = image(f)
+		return err
+	})
+	if err != nil {
+		return err
+	}
+	if err := c.writeFile(key+".owners", func(f *os.File) error { _, err := f.Write(slots); return err }); err != nil {
+		return err
+	}
+	c.remember(spec)
+	return nil
+}
+
+// derive writes spec's image from the cached image of from (the same tree, another
+// owner of the same class): it checks that every object the tree's files point at is
+// still in the store, as a cache hit does, then copies from's image with the owner of
+// every owned inode rewritten.
+func (c *Cache) derive(ctx context.Context, spec Spec, key string, from Spec) (int64, error) {
+	fk := from.Key()
+	objs, err := os.ReadFile(c.path(fk, ".objects"))
+	if err != nil {
+		return 0, err
+	}
+	if err := c.checkObjectList(ctx, spec, fk, objs); err != nil {
+		return 0, err
+	}
+	slots, err := os.ReadFile(c.path(fk, ".owners"))
+	if err != nil {
+		return 0, err
+	}
+	mj, err := os.ReadFile(c.path(fk, ".json"))
+	if err != nil {
+		return 0, err
+	}
+	var m meta
+	if err := json.Unmarshal(mj, &m); err != nil {
+		return 0, fmt.Errorf("image cache record %s: %w", c.path(fk, ".json"), err)
+	}
+	if m.Root != spec.Root || m.Prefix != spec.Prefix || m.UID != from.UID || m.GID != from.GID {
+		return 0, fmt.Errorf("image cache record %s is of another view", c.path(fk, ".json"))
+	}
+	img, err := os.ReadFile(c.path(fk, ".erofs"))
+	if err != nil {
+		return 0, err
+	}
+	if err := deriveImage(img, slots, from.UID, from.GID, spec.UID, spec.GID); err != nil {
+		return 0, fmt.Errorf("image %s: %w", c.path(fk, ".erofs"), err)
+	}
+	err = c.writeAll(spec, key, m, objs, func(f *os.File) ([]byte, error) {
+		_, err := f.Write(img)
+		return slots, err
+	})
+	return int64(len(img)), err
+}
+
+// sibling returns a cached image's spec of spec's tree whose owner is of spec's owner
+// class, if the index knows one.
+func (c *Cache) sibling(spec Spec) (Spec, bool) {
+	c.ownersOnce.Do(c.loadOwners)
+	c.ownersMu.Lock()
+	defer c.ownersMu.Unlock()
+	from, ok := c.owners[treeID{spec.Root, spec.Prefix}][ownerFits16(spec.UID, spec.GID)]
+	return from, ok
+}
+
+// remember puts a built image in the owner index.
+func (c *Cache) remember(spec Spec) {
+	c.ownersOnce.Do(c.loadOwners)
+	c.ownersMu.Lock()
+	defer c.ownersMu.Unlock()
+	c.index(spec)
+}
+
+// index puts spec in the owner index; the caller holds ownersMu (or is loadOwners).
+func (c *Cache) index(spec Spec) {
+	id := treeID{spec.Root, spec.Prefix}
+	if c.owners[id] == nil {
+		c.owners[id] = map[bool]Spec{}
+	}
+	c.owners[id][ownerFits16(spec.UID, spec.GID)] = spec
+}
+
+// forget drops spec from the owner index.
+func (c *Cache) forget(spec Spec) {
+	c.ownersMu.Lock()
+	defer c.ownersMu.Unlock()
+	if m := c.owners[treeID{spec.Root, spec.Prefix}]; m != nil {
+		if cur, ok := m[ownerFits16(spec.UID, spec.GID)]; ok && cur == spec {
+			delete(m, ownerFits16(spec.UID, spec.GID))
+		}
+	}
+}
+
+// loadOwners fills the owner index from the records of the images in the cache
+// (those a previous tidepoold built); unreadable records are skipped.
+func (c *Cache) loadOwners() {
+	c.owners = map[treeID]map[bool]Spec{}
+	ents, err := os.ReadDir(c.dir)
+	if err != nil {
+		return
+	}
+	for _, e := range ents {
+		key, ok := strings.CutSuffix(e.Name(), ".owners")
+		if !ok || strings.HasPrefix(key, ".") {
+			continue
+		}
+		b, err := os.ReadFile(c.path(key, ".json"))
+		var m meta
+		if err != nil || json.Unmarshal(b, &m) != nil {
+			continue
+		}
+		spec := Spec{Root: m.Root, Prefix: m.Prefix, UID: m.UID, GID: m.GID}
+		if spec.Key() == key {
+			c.index(spec)
+		}
+	}
 }
 
 func (c *Cache) writeFile(name string, fill func(*os.File) error) error {

@@ -21,7 +21,10 @@
 // where it has no entry, and the image is laid out in memory straight from the
 // scanned tree by this package's own writer (erofs.go; its output is byte for byte
 // what go-erofs writes for the same tree, which the tests check) and written once,
-// its writeback started at once. Host.Prebuild lets a caller start a build before it
+// its writeback started at once. The image of a cached tree for another owner of the
+// same class (both owners fitting 16 bits, or neither) is derived instead: the same
+// layout with the owned inodes' owner rewritten where the first build recorded them
+// (derive.go). Host.Prebuild lets a caller start a build before it
 // mounts (the snapshotter does, as soon as it knows a fork's root). A mount first asks
 // the kernel to read the whole image (EROFS reads a file-backed image's metadata one
 // block at a time, each a synchronous read, with no readahead). Mounted views are

@@ -107,17 +107,23 @@ type imageLayout struct {
 // WriteImage writes the tree's metadata-only EROFS image to w, front to back in
 // large writes. The same tree and spec always give the same bytes.
 func (t *Tree) WriteImage(w io.Writer) error {
+	_, err := t.writeImage(w)
+	return err
+}
+
+// writeImage is WriteImage, returning the plan it wrote (for its owner slots).
+func (t *Tree) writeImage(w io.Writer) (*imageLayout, error) {
 	l := &imageLayout{t: t, nodes: make([]inode, 0, t.Files+t.Dirs+t.symlinks+1)}
 	if err := l.collect(t.top, 0); err != nil {
-		return err
+		return nil, err
 	}
 	l.plan()
 	iw := &imageWriter{w: w, buf: make([]byte, 0, imageWriteBuffer)}
 	l.write(iw)
 	if err := iw.flush(); err != nil {
-		return fmt.Errorf("write image: %w", err)
+		return nil, fmt.Errorf("write image: %w", err)
 	}
-	return nil
+	return l, nil
 }
 
 // imageBytes is the image in memory (tests).

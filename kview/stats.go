@@ -4,8 +4,9 @@ import "sync/atomic"
 
 // Stats counts what the image cache did, for the daemon's metrics.
 type Stats struct {
-	Builds     atomic.Int64 // images built
-	BuildNanos atomic.Int64 // time spent building them (scan + write)
+	Builds     atomic.Int64 // images built from a scan of their tree
+	Derived    atomic.Int64 // images derived from another owner's image of their tree
+	BuildNanos atomic.Int64 // time spent building and deriving them
 	BuildBytes atomic.Int64 // bytes of the images built
 	CacheHits  atomic.Int64 // mounts that found their image cached
 }

@@ -340,11 +340,13 @@ var (
 	descMounted = prometheus.NewDesc("tidepool_views_mounted",
 		"Fork views currently mounted for the snapshotter, by mode (fuse: served by this process; kernel: EROFS + overlayfs).", []string{"mode"}, nil)
 	descImageBuilds = prometheus.NewDesc("tidepool_views_image_builds_total",
-		"Kernel view images built.", nil, nil)
+		"Kernel view images built from a scan of their tree.", nil, nil)
+	descImageDerived = prometheus.NewDesc("tidepool_views_image_derived_total",
+		"Kernel view images derived from a cached image of the same tree for another owner.", nil, nil)
 	descImageSeconds = prometheus.NewDesc("tidepool_views_image_build_seconds_total",
-		"Time spent building kernel view images (tree scan and image write).", nil, nil)
+		"Time spent building and deriving kernel view images.", nil, nil)
 	descImageBytes = prometheus.NewDesc("tidepool_views_image_bytes_total",
-		"Bytes of kernel view images built.", nil, nil)
+		"Bytes of kernel view images built and derived.", nil, nil)
 	descImageHits = prometheus.NewDesc("tidepool_views_image_cache_hits_total",
 		"Kernel view mounts that found their image already built.", nil, nil)
 )
@@ -358,6 +360,7 @@ func (c statsCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- descImageSeconds
 	ch <- descImageBytes
 	ch <- descImageHits
+	ch <- descImageDerived
 }
 
 func (c statsCollector) Collect(ch chan<- prometheus.Metric) {
@@ -390,4 +393,5 @@ func (c statsCollector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(descImageSeconds, prometheus.CounterValue, time.Duration(ks.BuildNanos.Load()).Seconds())
 	ch <- prometheus.MustNewConstMetric(descImageBytes, prometheus.CounterValue, float64(ks.BuildBytes.Load()))
 	ch <- prometheus.MustNewConstMetric(descImageHits, prometheus.CounterValue, float64(ks.CacheHits.Load()))
+	ch <- prometheus.MustNewConstMetric(descImageDerived, prometheus.CounterValue, float64(ks.Derived.Load()))
 }

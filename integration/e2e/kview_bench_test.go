@@ -138,18 +138,19 @@ func bakedGoImage(b *testing.B) string {
 // BenchmarkRunWithNewKernelView: `ctr run --rm` with a fork of the Go source tree whose
 // kernel view was never built, against the overlayfs snapshotter without a fork,
 // interleaved. Each round restarts tidepoold first (so it has decoded none of the
-// tree: a tree never mounted before) and warms it and containerd up with one run on
-// a view built before the restart and one overlayfs run, then runs: first, a view
-// of the tree for a new owner (its image is built: every tree object read and
-// decoded); shared, another new owner (a new image, the decoded trees remembered
-// from "first", as for a commit's new root); cached, that owner again (the image is
+// tree) and warms it and containerd up with one run on a view built before the
+// restart and one overlayfs run, then runs: first, the tree at a workdir it was never
+// mounted at (a new image from a scan: every tree object read and decoded); shared,
+// another new workdir (a new image, the decoded trees remembered from "first", as
+// for a commit's new root); derived, first's workdir for a new owner (the image
+// derived from first's, its owner rewritten); cached, that owner again (the image is
 // cached); base, overlayfs. Goal: first within 1.2x of base.
 func BenchmarkRunWithNewKernelView(b *testing.B) {
 	s := stack.Start(b, stack.Options{})
 	s.C.ImportImage(b, imagebuild.BusyboxArchive(b).Path, imagebuild.BusyboxRef, "tidepool", "overlayfs")
 	root := s.Ingest(b, filepath.Join(runtime.GOROOT(), "src"))
-	run := func(name string, flags ...string) time.Duration {
-		file := "/src/go/build/build.go"
+	run := func(name, workdir string, flags ...string) time.Duration {
+		file := workdir + "/go/build/build.go"
 		if len(flags) == 0 {
 			flags, file = []string{"--snapshotter", "overlayfs"}, "/etc/passwd"
 		}
@@ -157,29 +158,31 @@ func BenchmarkRunWithNewKernelView(b *testing.B) {
 		_, t := timeToFirstByte(b, s, args...)
 		return t
 	}
-	owner := func(n int) []string {
-		return forkLabels(root, "/src", fmt.Sprintf("%s=%d:%d", binding.LabelOwner, n, n))
+	view := func(workdir string, owner int) []string {
+		return forkLabels(root, workdir, fmt.Sprintf("%s=%d:%d", binding.LabelOwner, owner, owner))
 	}
-	run("built-before", owner(1999)...)
-	var first, shared, cached, base []time.Duration
+	run("built-before", "/src", view("/src", 1999)...)
+	var first, shared, derived, cached, base []time.Duration
 	b.ResetTimer()
 	for i := 0; i < b.N; i++ {
 		b.StopTimer()
 		waitViewsReleased(b, s)
 		s.RestartDaemon(b)
-		run(fmt.Sprintf("warm-view-%d", i), owner(1999)...)
-		run(fmt.Sprintf("warm-base-%d", i))
+		run(fmt.Sprintf("warm-view-%d", i), "/src", view("/src", 1999)...)
+		run(fmt.Sprintf("warm-base-%d", i), "")
 		b.StartTimer()
-		first = append(first, run(fmt.Sprintf("first-%d", i), owner(2000+2*i)...))
-		shared = append(shared, run(fmt.Sprintf("shared-%d", i), owner(2001+2*i)...))
-		cached = append(cached, run(fmt.Sprintf("cached-%d", i), owner(2001+2*i)...))
-		base = append(base, run(fmt.Sprintf("base-%d", i)))
+		wd, wd2 := fmt.Sprintf("/src-%d", i), fmt.Sprintf("/src-%d-b", i)
+		first = append(first, run(fmt.Sprintf("first-%d", i), wd, view(wd, 2000)...))
+		shared = append(shared, run(fmt.Sprintf("shared-%d", i), wd2, view(wd2, 2000)...))
+		derived = append(derived, run(fmt.Sprintf("derived-%d", i), wd, view(wd, 3000+i)...))
+		cached = append(cached, run(fmt.Sprintf("cached-%d", i), wd, view(wd, 3000+i)...))
+		base = append(base, run(fmt.Sprintf("base-%d", i), ""))
 	}
 	b.StopTimer()
 	for _, m := range []struct {
 		name string
 		ds   []time.Duration
-	}{{"first", first}, {"shared", shared}, {"cached", cached}} {
+	}{{"first", first}, {"shared", shared}, {"derived", derived}, {"cached", cached}} {
 		b.ReportMetric(float64(median(m.ds).Microseconds())/1000, m.name+"-view-run-ms")
 		b.ReportMetric(float64(median(m.ds))/float64(median(base)), m.name+"-view-x-vs-overlayfs")
 	}

@@ -12,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/tidepool-dev/tidepool/binding"
 	"github.com/tidepool-dev/tidepool/integration/harness"
 	"github.com/tidepool-dev/tidepool/integration/imagebuild"
 	"github.com/tidepool-dev/tidepool/integration/stack"
@@ -155,4 +156,41 @@ func finished(wg *sync.WaitGroup) bool {
 	case <-time.After(10 * time.Millisecond):
 		return false
 	}
+}
+
+// TestKernelViewForAnotherOwner: a tree's view for a second owner is derived from the
+// image of the first (also by a restarted tidepoold, from the images the previous one
+// left), and containers see the tree owned by their own owner; an owner needing
+// extended inodes gets an image built from a scan.
+func TestKernelViewForAnotherOwner(t *testing.T) {
+	requireKernelViews(t)
+	s := stack.Start(t, stack.Options{Metrics: true})
+	s.C.ImportImage(t, imagebuild.BusyboxArchive(t).Path, imagebuild.BusyboxRef, "tidepool")
+	root := s.Ingest(t, writeTree(t, map[string]string{"src/main.go": "package main\n", "README.md": "hi\n"}))
+	script := "stat -c '%u:%g' /app /app/src /app/src/main.go && cat /app/README.md && echo new > /app/src/new.go && stat -c '%u:%g' /app/src/new.go"
+	run := func(id string, uid int) {
+		t.Helper()
+		want := strings.Repeat(fmt.Sprintf("%d:%d\n", uid, uid), 3) + "hi\n0:0\n"
+		owner := fmt.Sprintf("%s=%d:%d", binding.LabelOwner, uid, uid)
+		if out := runRm(t, s, id, forkLabels(root, "/app", owner), imagebuild.BusyboxRef, "sh", "-c", script); out != want {
+			t.Fatalf("%s (owner %d): printed %q, want %q", id, uid, out, want)
+		}
+	}
+	builds := func() (float64, float64) {
+		return s.Metric(t, "tidepool_views_image_builds_total"), s.Metric(t, "tidepool_views_image_derived_total")
+	}
+	run("owner-1000", 1000)
+	run("owner-2000", 2000)
+	if b, d := builds(); b != 1 || d != 1 {
+		t.Fatalf("%v images built and %v derived, want 1 and 1", b, d)
+	}
+	waitViewsReleased(t, s)
+	s.RestartDaemon(t)
+	run("owner-3000", 3000)
+	run("owner-70000", 70000)
+	if b, d := builds(); b != 1 || d != 1 {
+		t.Fatalf("after a restart: %v images built and %v derived, want 1 (owner 70000: extended inodes) and 1 (owner 3000)", b, d)
+	}
+	waitViewsReleased(t, s)
+	s.C.LeakCheck(t)
 }
