@@ -38,18 +38,21 @@ type Cache struct {
 
 	// owners indexes the cached images by tree and owner class (derive.go), so that
 	// an image for a new owner can be derived from one of the same tree; filled from
-	// the cache's records on first use, then by every build. An entry may name an
-	// image collected since: deriving from it fails and the image is built.
-	ownersOnce sync.Once
-	ownersMu   sync.Mutex
-	owners     map[treeID]map[bool]Spec
+	// the cache's records when the cache opens, then by every build. An entry may
+	// name an image collected since: deriving from it fails and the image is built.
+	ownersMu sync.Mutex
+	owners   map[ownerClass]Spec
 }
 
-// treeID is a tree as its images show it, whoever owns them.
-type treeID struct {
+// ownerClass is a tree as its images show it (root and prefix), and whether its
+// owner fits compact inodes: the images of one class share their layout.
+type ownerClass struct {
 	root   casstore.Hash
 	prefix string
+	fits16 bool
 }
+
+func classOf(s Spec) ownerClass { return ownerClass{s.Root, s.Prefix, ownerFits16(s.UID, s.GID)} }
 
 // meta is KEY.json.
 type meta struct {
@@ -69,7 +72,9 @@ func NewCache(dir string, store *casstore.Store, stats *Stats) (*Cache, error) {
 	if stats == nil {
 		stats = &Stats{}
 	}
-	return &Cache{dir: dir, store: store, stats: stats, memo: newTreeMemo(defaultMemoEntries)}, nil
+	c := &Cache{dir: dir, store: store, stats: stats, memo: newTreeMemo(defaultMemoEntries)}
+	c.loadOwners()
+	return c, nil
 }
 
 // Dir is the cache directory.
@@ -146,8 +151,8 @@ func (c *Cache) checkObjectList(ctx context.Context, spec Spec, key string, b []
 	return nil
 }
 
-// build writes KEY.erofs, KEY.objects, KEY.owners and KEY.json, each through a temp
-// file and a rename, the image last: derived from a cached image of the same tree for
+// build writes KEY.objects, KEY.json, KEY.erofs and KEY.owners, each through a temp
+// file and a rename (see writeAll): the image derived from a cached image of the same tree for
 // another owner when there is one of the same owner class (derive.go), else from a
 // scan of the tree.
 func (c *Cache) build(ctx context.Context, spec Spec, key string) error {
@@ -158,8 +163,7 @@ func (c *Cache) build(ctx context.Context, spec Spec, key string) error {
 		switch {
 		case err == nil:
 			c.stats.Derived.Add(1)
-			c.stats.BuildNanos.Add(int64(time.Since(start)))
-			c.stats.BuildBytes.Add(size)
+			c.count(start, size)
 			return nil
 		case errors.As(err, &miss), ctx.Err() != nil:
 			return err // the same tree: a scan would find the same objects missing
@@ -189,15 +193,20 @@ func (c *Cache) build(ctx context.Context, spec Spec, key string) error {
 		return err
 	}
 	c.stats.Builds.Add(1)
-	c.stats.BuildNanos.Add(int64(time.Since(start)))
-	c.stats.BuildBytes.Add(size)
+	c.count(start, size)
 	return nil
 }
 
+// count adds an image built or derived since start, of size bytes, to the stats.
+func (c *Cache) count(start time.Time, size int64) {
+	c.stats.BuildNanos.Add(int64(time.Since(start)))
+	c.stats.BuildBytes.Add(size)
+}
+
 // writeAll writes an image's files: KEY.objects, KEY.json (m with spec's fields
-// set), then the image (written by image, which returns its owner slots), then
-// KEY.owners; an image found without its owner slots is only never derived from.
-// The tree joins the owner index.
+// set), then the image (written by image, which returns its owner slots: a cache
+// hit needs only these three), then KEY.owners (an image found without them is
+// never derived from). The image joins the owner index.
 func (c *Cache) writeAll(spec Spec, key string, m meta, objs []byte, image func(*os.File) ([]byte, error)) error {
 	m.Root, m.Prefix, m.UID, m.GID = spec.Root, spec.Prefix, spec.UID, spec.GID
 	mj, _ := json.Marshal(m)
@@ -264,48 +273,35 @@ func (c *Cache) derive(ctx context.Context, spec Spec, key string, from Spec) (i
 	return int64(len(img)), err
 }
 
-// sibling returns a cached image's spec of spec's tree whose owner is of spec's owner
-// class, if the index knows one.
+// sibling returns the spec of a cached image of spec's class, if the index knows one.
 func (c *Cache) sibling(spec Spec) (Spec, bool) {
-	c.ownersOnce.Do(c.loadOwners)
 	c.ownersMu.Lock()
 	defer c.ownersMu.Unlock()
-	from, ok := c.owners[treeID{spec.Root, spec.Prefix}][ownerFits16(spec.UID, spec.GID)]
+	from, ok := c.owners[classOf(spec)]
 	return from, ok
 }
 
 // remember puts a built image in the owner index.
 func (c *Cache) remember(spec Spec) {
-	c.ownersOnce.Do(c.loadOwners)
 	c.ownersMu.Lock()
 	defer c.ownersMu.Unlock()
-	c.index(spec)
-}
-
-// index puts spec in the owner index; the caller holds ownersMu (or is loadOwners).
-func (c *Cache) index(spec Spec) {
-	id := treeID{spec.Root, spec.Prefix}
-	if c.owners[id] == nil {
-		c.owners[id] = map[bool]Spec{}
-	}
-	c.owners[id][ownerFits16(spec.UID, spec.GID)] = spec
+	c.owners[classOf(spec)] = spec
 }
 
 // forget drops spec from the owner index.
 func (c *Cache) forget(spec Spec) {
 	c.ownersMu.Lock()
 	defer c.ownersMu.Unlock()
-	if m := c.owners[treeID{spec.Root, spec.Prefix}]; m != nil {
-		if cur, ok := m[ownerFits16(spec.UID, spec.GID)]; ok && cur == spec {
-			delete(m, ownerFits16(spec.UID, spec.GID))
-		}
+	if c.owners[classOf(spec)] == spec {
+		delete(c.owners, classOf(spec))
 	}
 }
 
 // loadOwners fills the owner index from the records of the images in the cache
-// (those a previous tidepoold built); unreadable records are skipped.
+// (those a previous tidepoold built), when the cache opens; unreadable records are
+// skipped.
 func (c *Cache) loadOwners() {
-	c.owners = map[treeID]map[bool]Spec{}
+	c.owners = map[ownerClass]Spec{}
 	ents, err := os.ReadDir(c.dir)
 	if err != nil {
 		return
@@ -322,7 +318,7 @@ func (c *Cache) loadOwners() {
 		}
 		spec := Spec{Root: m.Root, Prefix: m.Prefix, UID: m.UID, GID: m.GID}
 		if spec.Key() == key {
-			c.index(spec)
+			c.owners[classOf(spec)] = spec
 		}
 	}
 }
