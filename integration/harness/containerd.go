@@ -180,6 +180,9 @@ func (c *Containerd) prepare(p paths) error {
 			return err
 		}
 	}
+	// tmp is the instance's containerd `temp` directory, which stands in for the /tmp
+	// a host's containerd uses by default: sticky and world-writable like /tmp, a test
+	// fixture only (no socket lives there; the instance directory above is 0711).
 	if err := os.Chmod(filepath.Join(p.dir, "tmp"), 0o1777); err != nil {
 		return err
 	}
