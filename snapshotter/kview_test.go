@@ -9,6 +9,7 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/containerd/containerd/v2/core/mount"
 	"github.com/moby/sys/mountinfo"
@@ -225,5 +226,68 @@ func TestKernelViewPrebuilt(t *testing.T) {
 	}
 	if err := e.sn.Remove(ctx, "c1"); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// TestKernelViewPreparedOnArrival: a container's commit builds the image of its
+// fork's next root, for that container's workdir and owner, in the background; a root
+// that arrives through RootArrived (a fork made or moved through the local API) is
+// built for the shapes of recent views. The containers that then run on those roots
+// find their images cached: no build on their create path.
+func TestKernelViewPreparedOnArrival(t *testing.T) {
+	requireRoot(t)
+	if err := kview.Probe(t.TempDir()); err != nil {
+		t.Skip(err)
+	}
+	t.Setenv("TIDEPOOL_VIEWS_MODE", "kernel")
+	ctx := context.Background()
+	e := newEnv(t, t.TempDir())
+	e.imageLayer(t, "layer1", imageFiles)
+	src := ingestFiles(t, e.store, sourceFiles)
+	stats := e.views.Kernel().Stats()
+	builds := func(want int64) {
+		t.Helper()
+		deadline := time.Now().Add(20 * time.Second)
+		for stats.Builds.Load()+stats.Derived.Load() < want && time.Now().Before(deadline) {
+			time.Sleep(10 * time.Millisecond)
+		}
+		if got := stats.Builds.Load() + stats.Derived.Load(); got != want {
+			t.Fatalf("%d images built, want %d", got, want)
+		}
+	}
+	view := labels(binding.LabelFork, src.String(), binding.LabelWorkdir, "/app", binding.LabelOwner, "5:5")
+	mounts, err := e.sn.Prepare(ctx, "c1", "layer1", view)
+	if err != nil {
+		t.Fatal(err)
+	}
+	withMounted(t, mounts, func(dir string) { writeFiles(t, dir, map[string]string{"app/new.txt": "new\n"}) })
+	if err := e.sn.Remove(ctx, "c1"); err != nil {
+		t.Fatal(err)
+	}
+	f := forkOf(t, e.db, "c1")
+	if f.Root == src {
+		t.Fatal("the commit did not move the fork")
+	}
+	builds(2) // c1's view, then the commit's root
+	hits := stats.CacheHits.Load()
+	if _, err := e.sn.Prepare(ctx, "c2", "layer1", labels(binding.LabelFork, f.ID, binding.LabelWorkdir, "/app", binding.LabelOwner, "5:5")); err != nil {
+		t.Fatal(err)
+	}
+	builds(2)
+	if got := stats.CacheHits.Load() - hits; got < 1 {
+		t.Fatalf("container on the committed root: %d cache hits, want its image found cached", got)
+	}
+
+	other := ingestFiles(t, e.store, map[string]string{"other/file": "other\n"})
+	e.sn.RootArrived(other)
+	builds(3)
+	if _, err := e.sn.Prepare(ctx, "c3", "layer1", labels(binding.LabelFork, other.String(), binding.LabelWorkdir, "/app", binding.LabelOwner, "5:5")); err != nil {
+		t.Fatal(err)
+	}
+	builds(3)
+	for _, k := range []string{"c2", "c3"} {
+		if err := e.sn.Remove(ctx, k); err != nil {
+			t.Fatal(err)
+		}
 	}
 }

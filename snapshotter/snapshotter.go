@@ -97,6 +97,8 @@ type Snapshotter struct {
 	// direct: kernel views are layered directly into containers' overlays
 	// (LayeringDirect) where a snapshot's options allow it.
 	direct bool
+	// arrivals prepares the views of roots as they arrive (arrival.go).
+	arrivals *arrivals
 }
 
 var _ snapshots.Snapshotter = (*Snapshotter)(nil)
@@ -135,7 +137,7 @@ func New(ctx context.Context, cfg Config, store *casstore.Store, fk ForkStore, v
 	s := &Snapshotter{
 		root: cfg.Root, ms: ms, overlay: ov, store: store, forks: fk, views: views,
 		defaults: cfg.Defaults, options: options, locks: locker.New(), metrics: newMetrics(),
-		remote: cfg.Remote, direct: direct,
+		remote: cfg.Remote, direct: direct, arrivals: newArrivals(ctx, views),
 	}
 	s.labelWrites = &groupcommit.Group[context.Context]{Commit: func(apply func(context.Context) error) error {
 		return ms.WithTransaction(context.WithoutCancel(ctx), true, apply)
@@ -284,7 +286,9 @@ func (s *Snapshotter) create(ctx context.Context, kind snapshots.Kind, key, pare
 		prebuilt := func() {}
 		defer func() { prebuilt() }()
 		forkID, root, isNew, err := s.resolveForkThen(ctx, spec.Fork, key, func(root casstore.Hash) {
-			prebuilt = s.prebuild(ctx, ViewSpec{Root: root, Prefix: spec.Prefix(), UID: spec.UID, GID: spec.GID})
+			vs := ViewSpec{Root: root, Prefix: spec.Prefix(), UID: spec.UID, GID: spec.GID}
+			s.arrivals.seen(vs)
+			prebuilt = s.prebuild(ctx, vs)
 		})
 		if err != nil {
 			return nil, fmt.Errorf("prepare %s: invalid %s=%q: %w", key, binding.LabelFork, spec.Fork, err)
@@ -575,9 +579,13 @@ func (s *Snapshotter) Remove(ctx context.Context, key string) error {
 	}
 	if ok {
 		if sn.Kind == snapshots.KindActive && b.isBound() && !b.spec.Discard {
-			if _, _, err := s.commitToFork(ctx, key, sn, b); err != nil {
+			_, root, err := s.commitToFork(ctx, key, sn, b)
+			if err != nil {
 				s.metrics.commitErrors.Inc()
 				return fmt.Errorf("remove %s: commit changes to fork %s: %w (the snapshot is kept; label %s=true discards it)", key, b.forkID, err, binding.LabelDiscard)
+			}
+			if root != b.base && !b.spec.Slot {
+				s.arrivals.committed(root, ViewSpec{Prefix: b.spec.Prefix(), UID: b.spec.UID, GID: b.spec.GID})
 			}
 		}
 		if b.spec.Slot {
@@ -779,6 +787,7 @@ func (s *Snapshotter) detachStaleViews(ctx context.Context) {
 // Close closes the metadata store. Views stay with their host, which the owner closes.
 func (s *Snapshotter) Close() error {
 	s.records.running.Wait()
+	s.arrivals.close()
 	return s.overlay.Close()
 }
 

@@ -172,7 +172,8 @@ func TestKernelViewForAnotherOwner(t *testing.T) {
 		t.Helper()
 		want := strings.Repeat(fmt.Sprintf("%d:%d\n", uid, uid), 3) + "hi\n0:0\n"
 		owner := fmt.Sprintf("%s=%d:%d", binding.LabelOwner, uid, uid)
-		if out := runRm(t, s, id, forkLabels(root, "/app", owner), imagebuild.BusyboxRef, "sh", "-c", script); out != want {
+		// Discarded, so that no commit builds the image of a next root (arrivals).
+		if out := runRm(t, s, id, forkLabels(root, "/app", owner, binding.LabelDiscard+"=true"), imagebuild.BusyboxRef, "sh", "-c", script); out != want {
 			t.Fatalf("%s (owner %d): printed %q, want %q", id, uid, out, want)
 		}
 	}
@@ -191,6 +192,49 @@ func TestKernelViewForAnotherOwner(t *testing.T) {
 	if b, d := builds(); b != 1 || d != 1 {
 		t.Fatalf("after a restart: %v images built and %v derived, want 1 (owner 70000: extended inodes) and 1 (owner 3000)", b, d)
 	}
+	waitViewsReleased(t, s)
+	s.C.LeakCheck(t)
+}
+
+// TestKernelViewPreparedOnArrival: roots reach containers with their kernel view
+// prepared. A container's commit (its fork's next root) and a root forked through
+// tidepoold (as `tidepool fork` and `tidepool pull --fork` do) have their images built
+// in the background, for the workdir and owner of the views containers lately had;
+// the containers that then run on them build nothing on their create path.
+func TestKernelViewPreparedOnArrival(t *testing.T) {
+	requireKernelViews(t)
+	s := stack.Start(t, stack.Options{Metrics: true})
+	s.C.ImportImage(t, imagebuild.BusyboxArchive(t).Path, imagebuild.BusyboxRef, "tidepool")
+	root := s.Ingest(t, writeTree(t, map[string]string{"src/main.go": "package main\n"}))
+	agent := strings.TrimSpace(s.MustTidepool(t, "fork", root, "--label", "agent"))
+	owner := binding.LabelOwner + "=1000:1000"
+	images := func() float64 {
+		return s.Metric(t, "tidepool_views_image_builds_total") + s.Metric(t, "tidepool_views_image_derived_total")
+	}
+	waitImages := func(want float64) {
+		t.Helper()
+		deadline := time.Now().Add(30 * time.Second)
+		for images() < want && time.Now().Before(deadline) {
+			time.Sleep(50 * time.Millisecond)
+		}
+		if got := images(); got != want {
+			t.Fatalf("%v images built, want %v", got, want)
+		}
+	}
+	runRm(t, s, "turn-1", forkLabels(agent, "/app", owner), imagebuild.BusyboxRef, "sh", "-c", "echo 1 > /app/turn")
+	waitImages(2) // turn-1's view, then its commit's
+	if out := runRm(t, s, "turn-2", forkLabels(agent, "/app", owner), imagebuild.BusyboxRef, "cat", "/app/turn", "/app/src/main.go"); out != "1\npackage main\n" {
+		t.Fatalf("turn-2 read %q", out)
+	}
+	waitImages(2)
+
+	other := s.Ingest(t, writeTree(t, map[string]string{"lib/lib.go": "package lib\n"}))
+	pulled := strings.TrimSpace(s.MustTidepool(t, "fork", other))
+	waitImages(3)
+	if out := runRm(t, s, "other", forkLabels(pulled, "/app", owner), imagebuild.BusyboxRef, "cat", "/app/lib/lib.go"); out != "package lib\n" {
+		t.Fatalf("container on the arrived root read %q", out)
+	}
+	waitImages(3)
 	waitViewsReleased(t, s)
 	s.C.LeakCheck(t)
 }

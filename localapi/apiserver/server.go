@@ -70,6 +70,7 @@ func (s forksServer) Create(ctx context.Context, r *apiv1.CreateForkRequest) (*a
 	if err != nil {
 		return nil, errgrpc.ToGRPC(err)
 	}
+	s.arrived(f)
 	return localapi.ForkToProto(f), nil
 }
 
@@ -113,7 +114,17 @@ func (s forksServer) Advance(ctx context.Context, r *apiv1.AdvanceForkRequest) (
 	if err != nil {
 		return nil, errgrpc.ToGRPC(err)
 	}
+	s.arrived(f)
 	return localapi.ForkToProto(f), nil
+}
+
+// arrived tells the snapshotter of the root a fork made or moved through the API now
+// holds (a pulled ref, a CLI commit), so that containers run on it find its view
+// prepared.
+func (s forksServer) arrived(f *forks.Fork) {
+	if s.Snapshotter != nil && f != nil {
+		s.Snapshotter.RootArrived(f.Root)
+	}
 }
 
 func (s forksServer) LiveRoots(context.Context, *apiv1.LiveRootsRequest) (*apiv1.LiveRootsResponse, error) {

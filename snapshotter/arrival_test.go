@@ -1,0 +1,101 @@
+package snapshotter
+
+import (
+	"context"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/tidepool-dev/tidepool/casstore"
+)
+
+// prebuildRecorder is a ViewHost that records Prebuild calls.
+type prebuildRecorder struct {
+	ViewHost
+	mu    sync.Mutex
+	specs []ViewSpec
+	block chan struct{} // if set, Prebuild waits on it (or its context)
+}
+
+func (r *prebuildRecorder) Prebuild(ctx context.Context, spec ViewSpec) error {
+	if r.block != nil {
+		select {
+		case <-r.block:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.specs = append(r.specs, spec)
+	return nil
+}
+
+func (r *prebuildRecorder) wait(t *testing.T, n int) []ViewSpec {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		r.mu.Lock()
+		got := append([]ViewSpec(nil), r.specs...)
+		r.mu.Unlock()
+		if len(got) >= n || time.Now().After(deadline) {
+			if len(got) != n {
+				t.Fatalf("%d prebuilds, want %d: %+v", len(got), n, got)
+			}
+			return got
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
+func shapeSpec(prefix string, id uint32) ViewSpec { return ViewSpec{Prefix: prefix, UID: id, GID: id} }
+
+// TestArrivalsShapes: a root that arrives is prepared for the distinct shapes of the
+// last recentViewShapes views, most recent first; a commit for exactly its own.
+func TestArrivalsShapes(t *testing.T) {
+	rec := &prebuildRecorder{}
+	a := newArrivals(context.Background(), rec)
+	defer a.close()
+	for _, s := range []ViewSpec{shapeSpec("a", 1), shapeSpec("b", 1), shapeSpec("a", 1), shapeSpec("a", 2), shapeSpec("c", 1), shapeSpec("d", 1)} {
+		a.seen(s)
+	}
+	root := casstore.Sum([]byte("root"))
+	a.arrived(root)
+	got := rec.wait(t, recentViewShapes)
+	want := []ViewSpec{shapeSpec("d", 1), shapeSpec("c", 1), shapeSpec("a", 2), shapeSpec("a", 1)} // b: the oldest
+	for i := range want {
+		want[i].Root = root
+		if got[i] != want[i] {
+			t.Errorf("prebuild %d: %+v, want %+v", i, got[i], want[i])
+		}
+	}
+	next := casstore.Sum([]byte("next"))
+	a.committed(next, ViewSpec{Prefix: "e", UID: 7, GID: 8, Image: true})
+	if got := rec.wait(t, recentViewShapes+1)[recentViewShapes]; got != (ViewSpec{Root: next, Prefix: "e", UID: 7, GID: 8}) {
+		t.Errorf("commit's prebuild: %+v", got)
+	}
+	a.arrived(casstore.Hash{}) // no root: nothing
+	if a.recent[0] != (viewShape{"e", 7, 8}) || len(a.recent) != recentViewShapes {
+		t.Errorf("recent shapes after a commit: %+v", a.recent)
+	}
+}
+
+// TestArrivalsBounded: a full queue drops what does not fit rather than block the
+// request that told of the root, and close cancels a build under way.
+func TestArrivalsBounded(t *testing.T) {
+	rec := &prebuildRecorder{block: make(chan struct{})}
+	a := newArrivals(context.Background(), rec)
+	for i := 0; i < arrivalQueue*2; i++ {
+		a.committed(casstore.Sum([]byte{byte(i), byte(i >> 8)}), shapeSpec("w", 1))
+	}
+	done := make(chan struct{})
+	go func() { a.close(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(10 * time.Second):
+		t.Fatal("close did not cancel a blocked build")
+	}
+	if n := len(rec.specs); n != 0 {
+		t.Fatalf("%d builds finished, want none", n)
+	}
+}
