@@ -21,6 +21,18 @@ import (
 	"github.com/tidepool-dev/tidepool/snapshotter"
 )
 
+// kernelEnv is a snapshotter whose views are kernel views, on a kernel that has them
+// (the test is skipped otherwise).
+func kernelEnv(t *testing.T) (context.Context, *env) {
+	t.Helper()
+	requireRoot(t)
+	if err := kview.Probe(t.TempDir()); err != nil {
+		t.Skip(err)
+	}
+	t.Setenv("TIDEPOOL_VIEWS_MODE", "kernel")
+	return context.Background(), newEnv(t, t.TempDir())
+}
+
 func mountID(t testing.TB, dir string) int {
 	t.Helper()
 	ms, err := mountinfo.GetMounts(mountinfo.SingleEntryFilter(dir))
@@ -36,14 +48,8 @@ func mountID(t testing.TB, dir string) int {
 // mount), removes a view no snapshot owns, and the commit on Remove equals the
 // container's merged workdir.
 func TestKernelViewOutlivesHost(t *testing.T) {
-	requireRoot(t)
-	if err := kview.Probe(t.TempDir()); err != nil {
-		t.Skip(err)
-	}
-	t.Setenv("TIDEPOOL_VIEWS_MODE", "kernel")
-	ctx := context.Background()
-	root := t.TempDir()
-	e := newEnv(t, root)
+	ctx, e := kernelEnv(t)
+	root := e.root
 	e.imageLayer(t, "layer1", imageFiles)
 	src := ingestFiles(t, e.store, sourceFiles)
 	mounts, err := e.sn.Prepare(ctx, "c1", "layer1", labels(binding.LabelFork, src.String(), binding.LabelWorkdir, "/app"))
@@ -143,13 +149,7 @@ func TestKernelViewOutlivesHost(t *testing.T) {
 // data-only layer; its overlay mounts through containerd's mount code and shows both
 // the fork and the deepest layer.
 func TestKernelViewManyLayers(t *testing.T) {
-	requireRoot(t)
-	if err := kview.Probe(t.TempDir()); err != nil {
-		t.Skip(err)
-	}
-	t.Setenv("TIDEPOOL_VIEWS_MODE", "kernel")
-	ctx := context.Background()
-	e := newEnv(t, t.TempDir())
+	ctx, e := kernelEnv(t)
 	parent := ""
 	for i := range 128 {
 		name, key := fmt.Sprintf("layer-%d", i), fmt.Sprintf("layer-%d-active", i)
@@ -192,14 +192,7 @@ func TestKernelViewManyLayers(t *testing.T) {
 // again; a Prepare that fails after the build started (its parent does not exist)
 // still waits for the build, so nothing of it outlives the call.
 func TestKernelViewPrebuilt(t *testing.T) {
-	requireRoot(t)
-	if err := kview.Probe(t.TempDir()); err != nil {
-		t.Skip(err)
-	}
-	t.Setenv("TIDEPOOL_VIEWS_MODE", "kernel")
-	ctx := context.Background()
-	root := t.TempDir()
-	e := newEnv(t, root)
+	ctx, e := kernelEnv(t)
 	e.imageLayer(t, "layer1", imageFiles)
 	src := ingestFiles(t, e.store, sourceFiles)
 	stats := e.views.Kernel().Stats()
@@ -235,13 +228,7 @@ func TestKernelViewPrebuilt(t *testing.T) {
 // built for the shapes of recent views. The containers that then run on those roots
 // find their images cached: no build on their create path.
 func TestKernelViewPreparedOnArrival(t *testing.T) {
-	requireRoot(t)
-	if err := kview.Probe(t.TempDir()); err != nil {
-		t.Skip(err)
-	}
-	t.Setenv("TIDEPOOL_VIEWS_MODE", "kernel")
-	ctx := context.Background()
-	e := newEnv(t, t.TempDir())
+	ctx, e := kernelEnv(t)
 	e.imageLayer(t, "layer1", imageFiles)
 	src := ingestFiles(t, e.store, sourceFiles)
 	stats := e.views.Kernel().Stats()
