@@ -2,10 +2,15 @@ package snapshotter
 
 import (
 	"context"
+	"encoding/json"
+	"errors"
+	"io/fs"
+	"os"
 	"sync"
 
 	"github.com/containerd/log"
 
+	"github.com/tidepool-dev/tidepool/binding"
 	"github.com/tidepool-dev/tidepool/casstore"
 )
 
@@ -19,7 +24,10 @@ import (
 // and owners views were lately mounted with, since a host's containers mostly share
 // them). The images are built in the background, one at a time, so a host busy
 // creating containers gives them at most one CPU; the container that next runs on the
-// root finds its image cached, or joins the build under way (single-flight).
+// root finds its image cached, or joins the build under way (single-flight). The
+// shapes of recent views are kept in ROOT/view-shapes.json (rewritten when a shape
+// not among them appears), so a root that arrives right after a restart is prepared
+// too; a missing or unreadable file only means no shapes yet.
 
 const (
 	// recentViewShapes is how many distinct (workdir, owner) pairs of recent views a
@@ -36,6 +44,13 @@ type viewShape struct {
 	uid, gid uint32
 }
 
+// savedShape is a viewShape in ROOT/view-shapes.json.
+type savedShape struct {
+	Prefix string `json:"prefix"`
+	UID    uint32 `json:"uid"`
+	GID    uint32 `json:"gid"`
+}
+
 // arrivals prepares the views of roots that arrive, in one background worker.
 type arrivals struct {
 	views  ViewHost
@@ -46,13 +61,65 @@ type arrivals struct {
 
 	mu     sync.Mutex
 	recent []viewShape // most recent first
+	saved  string      // where recent is kept ("": nowhere)
 }
 
-func newArrivals(ctx context.Context, views ViewHost) *arrivals {
+func newArrivals(ctx context.Context, views ViewHost, saved string) *arrivals {
 	ctx, cancel := context.WithCancel(log.WithLogger(context.WithoutCancel(ctx), log.G(ctx).WithField("component", "view-arrivals")))
-	a := &arrivals{views: views, queue: make(chan ViewSpec, arrivalQueue), ctx: ctx, cancel: cancel, done: make(chan struct{})}
+	a := &arrivals{views: views, queue: make(chan ViewSpec, arrivalQueue), ctx: ctx, cancel: cancel, done: make(chan struct{}), saved: saved}
+	a.load()
 	go a.run()
 	return a
+}
+
+// load reads the shapes saved by an earlier run; a shape whose workdir is not one a
+// label could give is skipped.
+func (a *arrivals) load() {
+	if a.saved == "" {
+		return
+	}
+	b, err := os.ReadFile(a.saved)
+	var shapes []savedShape
+	if err == nil {
+		err = json.Unmarshal(b, &shapes)
+	}
+	if err != nil {
+		if !errors.Is(err, fs.ErrNotExist) {
+			log.G(a.ctx).WithError(err).WithField("path", a.saved).Warn("recent view shapes unreadable; starting without them")
+		}
+		return
+	}
+	for _, sh := range shapes {
+		if wd, err := binding.ParseWorkdir("/" + sh.Prefix); err != nil || wd[1:] != sh.Prefix {
+			log.G(a.ctx).WithField("path", a.saved).WithField("prefix", sh.Prefix).Warn("skipping a saved view shape with an invalid workdir")
+			continue
+		}
+		if len(a.recent) < recentViewShapes {
+			a.recent = append(a.recent, viewShape{sh.Prefix, sh.UID, sh.GID})
+		}
+	}
+}
+
+// save writes the recent shapes (temp file and rename; not synced: losing them
+// loses only preparation). The caller holds a.mu.
+func (a *arrivals) save() {
+	if a.saved == "" {
+		return
+	}
+	shapes := make([]savedShape, len(a.recent))
+	for i, r := range a.recent {
+		shapes[i] = savedShape{r.prefix, r.uid, r.gid}
+	}
+	b, _ := json.Marshal(shapes)
+	tmp := a.saved + ".tmp"
+	err := os.WriteFile(tmp, b, 0o600)
+	if err == nil {
+		err = os.Rename(tmp, a.saved)
+	}
+	if err != nil {
+		os.Remove(tmp)
+		log.G(a.ctx).WithError(err).WithField("path", a.saved).Warn("could not save recent view shapes")
+	}
 }
 
 func (a *arrivals) run() {
@@ -86,6 +153,7 @@ func (a *arrivals) seen(spec ViewSpec) {
 	}
 	copy(a.recent[1:], a.recent)
 	a.recent[0] = sh
+	a.save()
 }
 
 // committed prepares the view of root, a container's commit, as that container saw

@@ -2,6 +2,8 @@ package snapshotter
 
 import (
 	"context"
+	"os"
+	"path/filepath"
 	"sync"
 	"testing"
 	"time"
@@ -54,7 +56,7 @@ func shapeSpec(prefix string, id uint32) ViewSpec { return ViewSpec{Prefix: pref
 // last recentViewShapes views, most recent first; a commit for exactly its own.
 func TestArrivalsShapes(t *testing.T) {
 	rec := &prebuildRecorder{}
-	a := newArrivals(context.Background(), rec)
+	a := newArrivals(context.Background(), rec, "")
 	defer a.close()
 	for _, s := range []ViewSpec{shapeSpec("a", 1), shapeSpec("b", 1), shapeSpec("a", 1), shapeSpec("a", 2), shapeSpec("c", 1), shapeSpec("d", 1)} {
 		a.seen(s)
@@ -84,7 +86,7 @@ func TestArrivalsShapes(t *testing.T) {
 // request that told of the root, and close cancels a build under way.
 func TestArrivalsBounded(t *testing.T) {
 	rec := &prebuildRecorder{block: make(chan struct{})}
-	a := newArrivals(context.Background(), rec)
+	a := newArrivals(context.Background(), rec, "")
 	for i := 0; i < arrivalQueue*2; i++ {
 		a.committed(casstore.Sum([]byte{byte(i), byte(i >> 8)}), shapeSpec("w", 1))
 	}
@@ -97,5 +99,49 @@ func TestArrivalsBounded(t *testing.T) {
 	}
 	if n := len(rec.specs); n != 0 {
 		t.Fatalf("%d builds finished, want none", n)
+	}
+}
+
+// TestArrivalsShapesSaved: the recent shapes outlive the process, so a root that
+// arrives right after a restart is prepared; an unreadable file, or a saved workdir a
+// label could not give, costs only those shapes.
+func TestArrivalsShapesSaved(t *testing.T) {
+	saved := filepath.Join(t.TempDir(), "view-shapes.json")
+	a := newArrivals(context.Background(), &prebuildRecorder{}, saved)
+	a.seen(shapeSpec("app", 1000))
+	a.seen(shapeSpec("src/repo", 0))
+	a.close()
+	if st, err := os.Stat(saved); err != nil || st.Mode().Perm() != 0o600 {
+		t.Fatalf("saved shapes: %v, %v", st, err)
+	}
+	rec := &prebuildRecorder{}
+	b := newArrivals(context.Background(), rec, saved)
+	root := casstore.Sum([]byte("after restart"))
+	b.arrived(root)
+	got := rec.wait(t, 2)
+	b.close()
+	for i, want := range []ViewSpec{shapeSpec("src/repo", 0), shapeSpec("app", 1000)} {
+		want.Root = root
+		if got[i] != want {
+			t.Errorf("prebuild %d after a restart: %+v, want %+v", i, got[i], want)
+		}
+	}
+
+	for _, content := range []string{"{not json", `[{"prefix":"../../etc","uid":0,"gid":0},{"prefix":"a//b","uid":0,"gid":0},{"prefix":"","uid":0,"gid":0},{"prefix":"ok","uid":5,"gid":5}]`} {
+		if err := os.WriteFile(saved, []byte(content), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		rec := &prebuildRecorder{}
+		c := newArrivals(context.Background(), rec, saved)
+		c.arrived(root)
+		want := 0
+		if content[0] == '[' {
+			want = 1 // only "ok"
+		}
+		got := rec.wait(t, want)
+		c.close()
+		if want == 1 && got[0] != (ViewSpec{Root: root, Prefix: "ok", UID: 5, GID: 5}) {
+			t.Errorf("from %s: prebuilt %+v", content, got[0])
+		}
 	}
 }

@@ -137,7 +137,7 @@ func New(ctx context.Context, cfg Config, store *casstore.Store, fk ForkStore, v
 	s := &Snapshotter{
 		root: cfg.Root, ms: ms, overlay: ov, store: store, forks: fk, views: views,
 		defaults: cfg.Defaults, options: options, locks: locker.New(), metrics: newMetrics(),
-		remote: cfg.Remote, direct: direct, arrivals: newArrivals(ctx, views),
+		remote: cfg.Remote, direct: direct, arrivals: newArrivals(ctx, views, filepath.Join(cfg.Root, "view-shapes.json")),
 	}
 	s.labelWrites = &groupcommit.Group[context.Context]{Commit: func(apply func(context.Context) error) error {
 		return ms.WithTransaction(context.WithoutCancel(ctx), true, apply)

@@ -198,9 +198,10 @@ func TestKernelViewForAnotherOwner(t *testing.T) {
 
 // TestKernelViewPreparedOnArrival: roots reach containers with their kernel view
 // prepared. A container's commit (its fork's next root) and a root forked through
-// tidepoold (as `tidepool fork` and `tidepool pull --fork` do) have their images built
-// in the background, for the workdir and owner of the views containers lately had;
-// the containers that then run on them build nothing on their create path.
+// tidepoold (as `tidepool fork` and `tidepool pull --fork` do), also right after a
+// restart, have their images built in the background, for the workdir and owner of
+// the views containers lately had; the containers that then run on them build
+// nothing on their create path.
 func TestKernelViewPreparedOnArrival(t *testing.T) {
 	requireKernelViews(t)
 	s := stack.Start(t, stack.Options{Metrics: true})
@@ -235,6 +236,18 @@ func TestKernelViewPreparedOnArrival(t *testing.T) {
 		t.Fatalf("container on the arrived root read %q", out)
 	}
 	waitImages(3)
+
+	// The shapes of recent views outlive tidepoold: a root forked right after a
+	// restart (its metrics start again at zero) is prepared too.
+	waitViewsReleased(t, s)
+	s.RestartDaemon(t)
+	third := s.Ingest(t, writeTree(t, map[string]string{"cmd/main.go": "package main // 3\n"}))
+	forked := strings.TrimSpace(s.MustTidepool(t, "fork", third))
+	waitImages(1)
+	if out := runRm(t, s, "after-restart", forkLabels(forked, "/app", owner), imagebuild.BusyboxRef, "cat", "/app/cmd/main.go"); out != "package main // 3\n" {
+		t.Fatalf("container on a root forked after a restart read %q", out)
+	}
+	waitImages(1)
 	waitViewsReleased(t, s)
 	s.C.LeakCheck(t)
 }
