@@ -222,32 +222,32 @@ func TestKernelViewPreparedOnArrival(t *testing.T) {
 			t.Fatalf("%v images built, want %v", got, want)
 		}
 	}
+	// run runs a container on fork that cats file and checks what it printed.
+	run := func(id, fork, file, want string) {
+		t.Helper()
+		if out := runRm(t, s, id, forkLabels(fork, "/app", owner), imagebuild.BusyboxRef, "cat", file); out != want {
+			t.Fatalf("%s read %q, want %q", id, out, want)
+		}
+	}
 	runRm(t, s, "turn-1", forkLabels(agent, "/app", owner), imagebuild.BusyboxRef, "sh", "-c", "echo 1 > /app/turn")
 	waitImages(2) // turn-1's view, then its commit's
-	if out := runRm(t, s, "turn-2", forkLabels(agent, "/app", owner), imagebuild.BusyboxRef, "cat", "/app/turn", "/app/src/main.go"); out != "1\npackage main\n" {
-		t.Fatalf("turn-2 read %q", out)
-	}
+	run("turn-2", agent, "/app/turn", "1\n")
 	waitImages(2)
 
-	other := s.Ingest(t, writeTree(t, map[string]string{"lib/lib.go": "package lib\n"}))
-	pulled := strings.TrimSpace(s.MustTidepool(t, "fork", other))
-	waitImages(3)
-	if out := runRm(t, s, "other", forkLabels(pulled, "/app", owner), imagebuild.BusyboxRef, "cat", "/app/lib/lib.go"); out != "package lib\n" {
-		t.Fatalf("container on the arrived root read %q", out)
+	// A root forked through tidepoold; the second time right after a restart (the
+	// metrics start again at zero): the shapes of recent views outlive tidepoold.
+	arrive := func(id, file, content string, built float64) {
+		t.Helper()
+		root := s.Ingest(t, writeTree(t, map[string]string{file: content}))
+		forked := strings.TrimSpace(s.MustTidepool(t, "fork", root))
+		waitImages(built)
+		run(id, forked, "/app/"+file, content)
+		waitImages(built)
 	}
-	waitImages(3)
-
-	// The shapes of recent views outlive tidepoold: a root forked right after a
-	// restart (its metrics start again at zero) is prepared too.
+	arrive("forked", "lib/lib.go", "package lib\n", 3)
 	waitViewsReleased(t, s)
 	s.RestartDaemon(t)
-	third := s.Ingest(t, writeTree(t, map[string]string{"cmd/main.go": "package main // 3\n"}))
-	forked := strings.TrimSpace(s.MustTidepool(t, "fork", third))
-	waitImages(1)
-	if out := runRm(t, s, "after-restart", forkLabels(forked, "/app", owner), imagebuild.BusyboxRef, "cat", "/app/cmd/main.go"); out != "package main // 3\n" {
-		t.Fatalf("container on a root forked after a restart read %q", out)
-	}
-	waitImages(1)
+	arrive("after-restart", "cmd/main.go", "package main\n", 1)
 	waitViewsReleased(t, s)
 	s.C.LeakCheck(t)
 }
