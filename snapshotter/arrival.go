@@ -8,6 +8,7 @@ import (
 	"os"
 	"sync"
 
+	"github.com/containerd/continuity"
 	"github.com/containerd/log"
 
 	"github.com/tidepool-dev/tidepool/binding"
@@ -38,35 +39,36 @@ const (
 	arrivalQueue = 64
 )
 
-// viewShape is where and for whom a view shows its tree.
+// viewShape is where and for whom a view shows its tree; the JSON of the recent ones
+// is ROOT/view-shapes.json.
 type viewShape struct {
-	prefix   string
-	uid, gid uint32
-}
-
-// savedShape is a viewShape in ROOT/view-shapes.json.
-type savedShape struct {
 	Prefix string `json:"prefix"`
 	UID    uint32 `json:"uid"`
 	GID    uint32 `json:"gid"`
 }
 
-// arrivals prepares the views of roots that arrive, in one background worker.
+func shapeOf(spec ViewSpec) viewShape { return viewShape{spec.Prefix, spec.UID, spec.GID} }
+
+// arrivals prepares the views of roots that arrive, in one background worker, which
+// also saves the recent shapes (off the create path that records them).
 type arrivals struct {
 	views  ViewHost
 	queue  chan ViewSpec
+	save   chan struct{} // a nudge to the worker: recent changed
 	ctx    context.Context
 	cancel context.CancelFunc
 	done   chan struct{}
 
 	mu     sync.Mutex
 	recent []viewShape // most recent first
+	dirty  bool        // recent has a shape the file lacks
 	saved  string      // where recent is kept ("": nowhere)
 }
 
 func newArrivals(ctx context.Context, views ViewHost, saved string) *arrivals {
 	ctx, cancel := context.WithCancel(log.WithLogger(context.WithoutCancel(ctx), log.G(ctx).WithField("component", "view-arrivals")))
-	a := &arrivals{views: views, queue: make(chan ViewSpec, arrivalQueue), ctx: ctx, cancel: cancel, done: make(chan struct{}), saved: saved}
+	a := &arrivals{views: views, queue: make(chan ViewSpec, arrivalQueue), save: make(chan struct{}, 1),
+		ctx: ctx, cancel: cancel, done: make(chan struct{}), saved: saved}
 	a.load()
 	go a.run()
 	return a
@@ -79,7 +81,7 @@ func (a *arrivals) load() {
 		return
 	}
 	b, err := os.ReadFile(a.saved)
-	var shapes []savedShape
+	var shapes []viewShape
 	if err == nil {
 		err = json.Unmarshal(b, &shapes)
 	}
@@ -95,29 +97,23 @@ func (a *arrivals) load() {
 			continue
 		}
 		if len(a.recent) < recentViewShapes {
-			a.recent = append(a.recent, viewShape{sh.Prefix, sh.UID, sh.GID})
+			a.recent = append(a.recent, sh)
 		}
 	}
 }
 
-// save writes the recent shapes (temp file and rename; not synced: losing them
-// loses only preparation). The caller holds a.mu.
-func (a *arrivals) save() {
-	if a.saved == "" {
+// saveRecent writes the recent shapes if the file lacks one (losing them loses only
+// preparation, so a failure is logged).
+func (a *arrivals) saveRecent() {
+	a.mu.Lock()
+	if !a.dirty || a.saved == "" {
+		a.mu.Unlock()
 		return
 	}
-	shapes := make([]savedShape, len(a.recent))
-	for i, r := range a.recent {
-		shapes[i] = savedShape{r.prefix, r.uid, r.gid}
-	}
-	b, _ := json.Marshal(shapes)
-	tmp := a.saved + ".tmp"
-	err := os.WriteFile(tmp, b, 0o600)
-	if err == nil {
-		err = os.Rename(tmp, a.saved)
-	}
-	if err != nil {
-		os.Remove(tmp)
+	b, _ := json.Marshal(a.recent)
+	a.dirty = false
+	a.mu.Unlock()
+	if err := continuity.AtomicWriteFile(a.saved, b, 0o600); err != nil {
 		log.G(a.ctx).WithError(err).WithField("path", a.saved).Warn("could not save recent view shapes")
 	}
 }
@@ -128,6 +124,8 @@ func (a *arrivals) run() {
 		select {
 		case <-a.ctx.Done():
 			return
+		case <-a.save:
+			a.saveRecent()
 		case spec := <-a.queue:
 			if err := a.views.Prebuild(a.ctx, spec); err != nil && a.ctx.Err() == nil {
 				log.G(a.ctx).WithError(err).WithField("root", spec.Root.Short()).WithField("prefix", spec.Prefix).Debug("view of an arrived root not prepared")
@@ -138,7 +136,7 @@ func (a *arrivals) run() {
 
 // seen records the shape of a view a container was given.
 func (a *arrivals) seen(spec ViewSpec) {
-	sh := viewShape{spec.Prefix, spec.UID, spec.GID}
+	sh := shapeOf(spec)
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	for i, r := range a.recent {
@@ -153,14 +151,17 @@ func (a *arrivals) seen(spec ViewSpec) {
 	}
 	copy(a.recent[1:], a.recent)
 	a.recent[0] = sh
-	a.save()
+	a.dirty = true
+	select {
+	case a.save <- struct{}{}:
+	default: // a save is already due
+	}
 }
 
-// committed prepares the view of root, a container's commit, as that container saw
+// committed prepares spec, the view of a container's commit as that container saw
 // its tree.
-func (a *arrivals) committed(root casstore.Hash, spec ViewSpec) {
+func (a *arrivals) committed(spec ViewSpec) {
 	a.seen(spec)
-	spec.Root, spec.Image = root, false
 	a.enqueue(spec)
 }
 
@@ -170,7 +171,7 @@ func (a *arrivals) arrived(root casstore.Hash) {
 	shapes := append([]viewShape(nil), a.recent...)
 	a.mu.Unlock()
 	for _, sh := range shapes {
-		a.enqueue(ViewSpec{Root: root, Prefix: sh.prefix, UID: sh.uid, GID: sh.gid})
+		a.enqueue(ViewSpec{Root: root, Prefix: sh.Prefix, UID: sh.UID, GID: sh.GID})
 	}
 }
 
@@ -185,11 +186,12 @@ func (a *arrivals) enqueue(spec ViewSpec) {
 	}
 }
 
-// close stops the worker; a build under way is cancelled (the image cache keeps
-// nothing of it).
+// close stops the worker (a build under way is cancelled; the image cache keeps
+// nothing of it) and saves the recent shapes if a save was still due.
 func (a *arrivals) close() {
 	a.cancel()
 	<-a.done
+	a.saveRecent()
 }
 
 // RootArrived tells the snapshotter of a root that became a fork's (a fork made or

@@ -72,7 +72,7 @@ func TestArrivalsShapes(t *testing.T) {
 		}
 	}
 	next := casstore.Sum([]byte("next"))
-	a.committed(next, ViewSpec{Prefix: "e", UID: 7, GID: 8, Image: true})
+	a.committed(ViewSpec{Root: next, Prefix: "e", UID: 7, GID: 8})
 	if got := rec.wait(t, recentViewShapes+1)[recentViewShapes]; got != (ViewSpec{Root: next, Prefix: "e", UID: 7, GID: 8}) {
 		t.Errorf("commit's prebuild: %+v", got)
 	}
@@ -88,7 +88,9 @@ func TestArrivalsBounded(t *testing.T) {
 	rec := &prebuildRecorder{block: make(chan struct{})}
 	a := newArrivals(context.Background(), rec, "")
 	for i := 0; i < arrivalQueue*2; i++ {
-		a.committed(casstore.Sum([]byte{byte(i), byte(i >> 8)}), shapeSpec("w", 1))
+		spec := shapeSpec("w", 1)
+		spec.Root = casstore.Sum([]byte{byte(i), byte(i >> 8)})
+		a.committed(spec)
 	}
 	done := make(chan struct{})
 	go func() { a.close(); close(done) }()

@@ -585,7 +585,7 @@ func (s *Snapshotter) Remove(ctx context.Context, key string) error {
 				return fmt.Errorf("remove %s: commit changes to fork %s: %w (the snapshot is kept; label %s=true discards it)", key, b.forkID, err, binding.LabelDiscard)
 			}
 			if root != b.base && !b.spec.Slot {
-				s.arrivals.committed(root, ViewSpec{Prefix: b.spec.Prefix(), UID: b.spec.UID, GID: b.spec.GID})
+				s.arrivals.committed(ViewSpec{Root: root, Prefix: b.spec.Prefix(), UID: b.spec.UID, GID: b.spec.GID})
 			}
 		}
 		if b.spec.Slot {

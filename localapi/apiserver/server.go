@@ -122,7 +122,7 @@ func (s forksServer) Advance(ctx context.Context, r *apiv1.AdvanceForkRequest) (
 // holds (a pulled ref, a CLI commit), so that containers run on it find its view
 // prepared.
 func (s forksServer) arrived(f *forks.Fork) {
-	if s.Snapshotter != nil && f != nil {
+	if s.Snapshotter != nil {
 		s.Snapshotter.RootArrived(f.Root)
 	}
 }
