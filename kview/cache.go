@@ -176,6 +176,7 @@ func (c *Cache) build(ctx context.Context, spec Spec, key string) error {
 	if err != nil {
 		return err
 	}
+	c.stats.TreesRead.Add(int64(t.TreesRead))
 	objs := make([]byte, 0, 32*len(t.objects))
 	for _, h := range t.objects {
 		objs = append(objs, h[:]...)

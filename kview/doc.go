@@ -16,7 +16,8 @@
 // Images are cached under a directory keyed by (root, prefix, owner), built once per
 // key (single-flight) and removed by Collect when no mounted view uses them. A build
 // is on a container's create path, so it is kept cheap: tree objects are read by
-// several workers and remembered decoded for later builds (trees never change), file
+// several workers and remembered decoded for later builds (trees never change; a new
+// process decodes those of the roots its images showed last, warm.go), file
 // sizes come from the store's size index (casstore.Store.KnownSize) with a stat only
 // where it has no entry, and the image is laid out in memory straight from the
 // scanned tree by this package's own writer (erofs.go; its output is byte for byte

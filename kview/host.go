@@ -119,6 +119,13 @@ func (h *Host) Prebuild(ctx context.Context, spec Spec) error {
 	return err
 }
 
+// WarmTrees decodes the trees of the roots of the most recently used images into
+// the memo that builds share (see Cache.WarmTrees); a process calls it once, when it
+// starts.
+func (h *Host) WarmTrees(ctx context.Context, roots int) (int, error) {
+	return h.cache.WarmTrees(ctx, roots)
+}
+
 // Unmount detaches the kernel view at dir; a dir without one is fine.
 func (h *Host) Unmount(_ context.Context, dir string) error { return unmountView(dir) }
 

@@ -31,6 +31,9 @@ type Tree struct {
 	// Stats says where file sizes came from: the store's size index, or a stat of
 	// the object (objects stored before the index existed, or by LunarFS).
 	Indexed, Stated int
+	// TreesRead is how many tree objects the scan read from the store; the others
+	// came from the memo of decoded trees.
+	TreesRead int
 
 	objects  []casstore.Hash // the objects files point at, each once
 	symlinks int
@@ -41,6 +44,7 @@ type Tree struct {
 type dirScan struct {
 	tree    casstore.Tree
 	missing bool    // the tree object itself is not local
+	read    bool    // the tree object was read from the store (not the memo)
 	sizes   []int64 // per entry: a file's size; -1: its object is missing
 	targets []string
 	absent  []casstore.Hash // objects of entries not in the store
@@ -95,6 +99,9 @@ func scan(ctx context.Context, store *casstore.Store, spec Spec, memo *treeMemo)
 	for _, s := range scans {
 		t.Indexed += s.indexed
 		t.Stated += s.stated
+		if s.read {
+			t.TreesRead++
+		}
 	}
 	t.top = owned
 	if spec.Prefix != "" {
@@ -257,11 +264,14 @@ func (as *assembler) dir(n *node, h casstore.Hash, depth int) error {
 // scan), which saves most of each path lookup, and answers sizes from the store's
 // size index first.
 type objDirs struct {
-	memo    *treeMemo
-	store   *casstore.Store
-	root    string
-	index   bool // answer sizes from the store's size index first
-	fanouts [256]struct {
+	memo  *treeMemo
+	store *casstore.Store
+	root  string
+	index bool // answer sizes from the store's size index first
+	// treesOnly: decode trees (and read symlink targets) without looking up file
+	// sizes, to fill the memo (warm.go).
+	treesOnly bool
+	fanouts   [256]struct {
 		once sync.Once
 		fd   int // -1: the fan-out directory does not exist
 		err  error
@@ -426,6 +436,7 @@ func (od *objDirs) scanDir(h casstore.Hash) (*dirScan, error) {
 			ds.missing = true
 			return ds, nil
 		}
+		ds.read = true
 		if ds.tree, err = casstore.DecodeTree(b); err != nil {
 			return nil, fmt.Errorf("tree %s: %w", h, err)
 		}
@@ -460,7 +471,7 @@ func (od *objDirs) scanDir(h casstore.Hash) (*dirScan, error) {
 			}
 			ds.targets[i] = string(b)
 		case casstore.ModeFile, casstore.ModeExec:
-			if e.Hash == casstore.EmptyHash {
+			if e.Hash == casstore.EmptyHash || od.treesOnly {
 				continue
 			}
 			if size, ok := od.known(e.Hash); ok {
@@ -527,6 +538,14 @@ func (tm *treeMemo) get(h casstore.Hash) (memoTree, bool) {
 	defer tm.mu.Unlock()
 	t, ok := tm.m[h]
 	return t, ok
+}
+
+// size is how many entries the memo holds (each tree counts one more than its
+// entries).
+func (tm *treeMemo) size() int {
+	tm.mu.Lock()
+	defer tm.mu.Unlock()
+	return tm.entries
 }
 
 func (tm *treeMemo) put(h casstore.Hash, t casstore.Tree, targets []string) {

@@ -9,4 +9,10 @@ type Stats struct {
 	BuildNanos atomic.Int64 // time spent building and deriving them
 	BuildBytes atomic.Int64 // bytes of the images built
 	CacheHits  atomic.Int64 // mounts that found their image cached
+	// TreesRead counts the tree objects builds read from the store; the others came
+	// from the memo of decoded trees.
+	TreesRead atomic.Int64
+	// TreesWarmed counts the tree objects decoded into the memo when the process
+	// started, from the roots of the images it used last (warm.go).
+	TreesWarmed atomic.Int64
 }

@@ -80,6 +80,13 @@ func (c *Client) Info(ctx context.Context) (*apiv1.InfoResponse, error) {
 	return r, errgrpc.ToNative(err)
 }
 
+// RootArrived tells the daemon of a root this client put in the store, so that it
+// prepares the root's views.
+func (c *Client) RootArrived(ctx context.Context, root casstore.Hash) error {
+	_, err := c.daemon.RootArrived(ctx, &apiv1.RootArrivedRequest{Root: root.String()})
+	return errgrpc.ToNative(err)
+}
+
 func (c *Client) fork(p *apiv1.Fork, err error) (*forks.Fork, error) {
 	if err != nil {
 		return nil, errgrpc.ToNative(err)

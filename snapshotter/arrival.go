@@ -28,7 +28,10 @@ import (
 // root finds its image cached, or joins the build under way (single-flight). The
 // shapes of recent views are kept in ROOT/view-shapes.json (rewritten when a shape
 // not among them appears), so a root that arrives right after a restart is prepared
-// too; a missing or unreadable file only means no shapes yet.
+// too; a missing or unreadable file only means no shapes yet. Before any of that, the
+// worker has the view host warm up (a kernel host decodes the trees of the roots its
+// images showed last), so that the first images built after a restart cost what later
+// ones do.
 
 const (
 	// recentViewShapes is how many distinct (workdir, owner) pairs of recent views a
@@ -120,6 +123,12 @@ func (a *arrivals) saveRecent() {
 
 func (a *arrivals) run() {
 	defer close(a.done)
+	// First what an earlier process left (the trees of recent views): the roots
+	// that arrive meanwhile wait in the queue, and their builds then find the trees
+	// they share with those decoded.
+	if err := a.views.WarmUp(a.ctx); err != nil && a.ctx.Err() == nil {
+		log.G(a.ctx).WithError(err).Debug("views not warmed up")
+	}
 	for {
 		select {
 		case <-a.ctx.Done():

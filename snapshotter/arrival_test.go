@@ -17,6 +17,14 @@ type prebuildRecorder struct {
 	mu    sync.Mutex
 	specs []ViewSpec
 	block chan struct{} // if set, Prebuild waits on it (or its context)
+	warm  []int         // for each WarmUp, how many Prebuilds had run before it
+}
+
+func (r *prebuildRecorder) WarmUp(context.Context) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.warm = append(r.warm, len(r.specs))
+	return nil
 }
 
 func (r *prebuildRecorder) Prebuild(ctx context.Context, spec ViewSpec) error {
@@ -52,8 +60,9 @@ func (r *prebuildRecorder) wait(t *testing.T, n int) []ViewSpec {
 
 func shapeSpec(prefix string, id uint32) ViewSpec { return ViewSpec{Prefix: prefix, UID: id, GID: id} }
 
-// TestArrivalsShapes: a root that arrives is prepared for the distinct shapes of the
-// last recentViewShapes views, most recent first; a commit for exactly its own.
+// TestArrivalsShapes: the worker warms the view host up once, before it prepares
+// anything; a root that arrives is prepared for the distinct shapes of the last
+// recentViewShapes views, most recent first; a commit for exactly its own.
 func TestArrivalsShapes(t *testing.T) {
 	rec := &prebuildRecorder{}
 	a := newArrivals(context.Background(), rec, "")
@@ -64,6 +73,11 @@ func TestArrivalsShapes(t *testing.T) {
 	root := casstore.Sum([]byte("root"))
 	a.arrived(root)
 	got := rec.wait(t, recentViewShapes)
+	rec.mu.Lock()
+	if len(rec.warm) != 1 || rec.warm[0] != 0 {
+		t.Errorf("warm-ups (prebuilds before each): %v, want one before any prebuild", rec.warm)
+	}
+	rec.mu.Unlock()
 	want := []ViewSpec{shapeSpec("d", 1), shapeSpec("c", 1), shapeSpec("a", 2), shapeSpec("a", 1)} // b: the oldest
 	for i := range want {
 		want[i].Root = root

@@ -36,6 +36,11 @@ type ViewHost interface {
 	// view's image), without mounting anything; a host with nothing to prepare
 	// does nothing.
 	Prebuild(ctx context.Context, spec ViewSpec) error
+	// WarmUp prepares, from what an earlier process left, what the first views
+	// after a start would otherwise spend longer on than later ones (a kernel host
+	// decodes the trees its recent images showed); a host with nothing to prepare
+	// does nothing. The snapshotter calls it once, in the background, when it opens.
+	WarmUp(ctx context.Context) error
 	// Unmount stops serving dir and detaches it; a dir that is not mounted is fine.
 	Unmount(ctx context.Context, dir string) error
 	// ImageLayer reports whether the view at dir is a kernel view's image mounted

@@ -1308,6 +1308,50 @@ func (*InfoRequest) Descriptor() ([]byte, []int) {
 	return file_tidepool_proto_rawDescGZIP(), []int{18}
 }
 
+type RootArrivedRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Root          string                 `protobuf:"bytes,1,opt,name=root,proto3" json:"root,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RootArrivedRequest) Reset() {
+	*x = RootArrivedRequest{}
+	mi := &file_tidepool_proto_msgTypes[19]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RootArrivedRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RootArrivedRequest) ProtoMessage() {}
+
+func (x *RootArrivedRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_tidepool_proto_msgTypes[19]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RootArrivedRequest.ProtoReflect.Descriptor instead.
+func (*RootArrivedRequest) Descriptor() ([]byte, []int) {
+	return file_tidepool_proto_rawDescGZIP(), []int{19}
+}
+
+func (x *RootArrivedRequest) GetRoot() string {
+	if x != nil {
+		return x.Root
+	}
+	return ""
+}
+
 type InfoResponse struct {
 	state              protoimpl.MessageState `protogen:"open.v1"`
 	Version            string                 `protobuf:"bytes,1,opt,name=version,proto3" json:"version,omitempty"`
@@ -1321,7 +1365,7 @@ type InfoResponse struct {
 
 func (x *InfoResponse) Reset() {
 	*x = InfoResponse{}
-	mi := &file_tidepool_proto_msgTypes[19]
+	mi := &file_tidepool_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1333,7 +1377,7 @@ func (x *InfoResponse) String() string {
 func (*InfoResponse) ProtoMessage() {}
 
 func (x *InfoResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[19]
+	mi := &file_tidepool_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1346,7 +1390,7 @@ func (x *InfoResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InfoResponse.ProtoReflect.Descriptor instead.
 func (*InfoResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{19}
+	return file_tidepool_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *InfoResponse) GetVersion() string {
@@ -1405,7 +1449,7 @@ type AdoptRequest struct {
 
 func (x *AdoptRequest) Reset() {
 	*x = AdoptRequest{}
-	mi := &file_tidepool_proto_msgTypes[20]
+	mi := &file_tidepool_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1417,7 +1461,7 @@ func (x *AdoptRequest) String() string {
 func (*AdoptRequest) ProtoMessage() {}
 
 func (x *AdoptRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[20]
+	mi := &file_tidepool_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1430,7 +1474,7 @@ func (x *AdoptRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AdoptRequest.ProtoReflect.Descriptor instead.
 func (*AdoptRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{20}
+	return file_tidepool_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *AdoptRequest) GetPool() string {
@@ -1512,7 +1556,7 @@ type AdoptResponse struct {
 
 func (x *AdoptResponse) Reset() {
 	*x = AdoptResponse{}
-	mi := &file_tidepool_proto_msgTypes[21]
+	mi := &file_tidepool_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1524,7 +1568,7 @@ func (x *AdoptResponse) String() string {
 func (*AdoptResponse) ProtoMessage() {}
 
 func (x *AdoptResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[21]
+	mi := &file_tidepool_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1537,7 +1581,7 @@ func (x *AdoptResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AdoptResponse.ProtoReflect.Descriptor instead.
 func (*AdoptResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{21}
+	return file_tidepool_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *AdoptResponse) GetColdReason() string {
@@ -1591,7 +1635,7 @@ type MemberRequest struct {
 
 func (x *MemberRequest) Reset() {
 	*x = MemberRequest{}
-	mi := &file_tidepool_proto_msgTypes[22]
+	mi := &file_tidepool_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1603,7 +1647,7 @@ func (x *MemberRequest) String() string {
 func (*MemberRequest) ProtoMessage() {}
 
 func (x *MemberRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[22]
+	mi := &file_tidepool_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1616,7 +1660,7 @@ func (x *MemberRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MemberRequest.ProtoReflect.Descriptor instead.
 func (*MemberRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{22}
+	return file_tidepool_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *MemberRequest) GetMember() string {
@@ -1637,7 +1681,7 @@ type SignalMemberRequest struct {
 
 func (x *SignalMemberRequest) Reset() {
 	*x = SignalMemberRequest{}
-	mi := &file_tidepool_proto_msgTypes[23]
+	mi := &file_tidepool_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1649,7 +1693,7 @@ func (x *SignalMemberRequest) String() string {
 func (*SignalMemberRequest) ProtoMessage() {}
 
 func (x *SignalMemberRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[23]
+	mi := &file_tidepool_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1662,7 +1706,7 @@ func (x *SignalMemberRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SignalMemberRequest.ProtoReflect.Descriptor instead.
 func (*SignalMemberRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{23}
+	return file_tidepool_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *SignalMemberRequest) GetMember() string {
@@ -1696,7 +1740,7 @@ type PauseMemberRequest struct {
 
 func (x *PauseMemberRequest) Reset() {
 	*x = PauseMemberRequest{}
-	mi := &file_tidepool_proto_msgTypes[24]
+	mi := &file_tidepool_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1708,7 +1752,7 @@ func (x *PauseMemberRequest) String() string {
 func (*PauseMemberRequest) ProtoMessage() {}
 
 func (x *PauseMemberRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[24]
+	mi := &file_tidepool_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1721,7 +1765,7 @@ func (x *PauseMemberRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PauseMemberRequest.ProtoReflect.Descriptor instead.
 func (*PauseMemberRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{24}
+	return file_tidepool_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *PauseMemberRequest) GetMember() string {
@@ -1748,7 +1792,7 @@ type WaitMemberResponse struct {
 
 func (x *WaitMemberResponse) Reset() {
 	*x = WaitMemberResponse{}
-	mi := &file_tidepool_proto_msgTypes[25]
+	mi := &file_tidepool_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1760,7 +1804,7 @@ func (x *WaitMemberResponse) String() string {
 func (*WaitMemberResponse) ProtoMessage() {}
 
 func (x *WaitMemberResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[25]
+	mi := &file_tidepool_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1773,7 +1817,7 @@ func (x *WaitMemberResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WaitMemberResponse.ProtoReflect.Descriptor instead.
 func (*WaitMemberResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{25}
+	return file_tidepool_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *WaitMemberResponse) GetExitStatus() uint32 {
@@ -1805,7 +1849,7 @@ type RunStart struct {
 
 func (x *RunStart) Reset() {
 	*x = RunStart{}
-	mi := &file_tidepool_proto_msgTypes[26]
+	mi := &file_tidepool_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1817,7 +1861,7 @@ func (x *RunStart) String() string {
 func (*RunStart) ProtoMessage() {}
 
 func (x *RunStart) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[26]
+	mi := &file_tidepool_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1830,7 +1874,7 @@ func (x *RunStart) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RunStart.ProtoReflect.Descriptor instead.
 func (*RunStart) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{26}
+	return file_tidepool_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *RunStart) GetPool() string {
@@ -1890,7 +1934,7 @@ type RunRequest struct {
 
 func (x *RunRequest) Reset() {
 	*x = RunRequest{}
-	mi := &file_tidepool_proto_msgTypes[27]
+	mi := &file_tidepool_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1902,7 +1946,7 @@ func (x *RunRequest) String() string {
 func (*RunRequest) ProtoMessage() {}
 
 func (x *RunRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[27]
+	mi := &file_tidepool_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1915,7 +1959,7 @@ func (x *RunRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RunRequest.ProtoReflect.Descriptor instead.
 func (*RunRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{27}
+	return file_tidepool_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *RunRequest) GetMsg() isRunRequest_Msg {
@@ -2004,7 +2048,7 @@ type RunExit struct {
 
 func (x *RunExit) Reset() {
 	*x = RunExit{}
-	mi := &file_tidepool_proto_msgTypes[28]
+	mi := &file_tidepool_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2016,7 +2060,7 @@ func (x *RunExit) String() string {
 func (*RunExit) ProtoMessage() {}
 
 func (x *RunExit) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[28]
+	mi := &file_tidepool_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2029,7 +2073,7 @@ func (x *RunExit) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RunExit.ProtoReflect.Descriptor instead.
 func (*RunExit) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{28}
+	return file_tidepool_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *RunExit) GetStatus() int32 {
@@ -2082,7 +2126,7 @@ type RunResponse struct {
 
 func (x *RunResponse) Reset() {
 	*x = RunResponse{}
-	mi := &file_tidepool_proto_msgTypes[29]
+	mi := &file_tidepool_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2094,7 +2138,7 @@ func (x *RunResponse) String() string {
 func (*RunResponse) ProtoMessage() {}
 
 func (x *RunResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[29]
+	mi := &file_tidepool_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2107,7 +2151,7 @@ func (x *RunResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RunResponse.ProtoReflect.Descriptor instead.
 func (*RunResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{29}
+	return file_tidepool_proto_rawDescGZIP(), []int{30}
 }
 
 func (x *RunResponse) GetMsg() isRunResponse_Msg {
@@ -2190,7 +2234,7 @@ type ListPoolsRequest struct {
 
 func (x *ListPoolsRequest) Reset() {
 	*x = ListPoolsRequest{}
-	mi := &file_tidepool_proto_msgTypes[30]
+	mi := &file_tidepool_proto_msgTypes[31]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2202,7 +2246,7 @@ func (x *ListPoolsRequest) String() string {
 func (*ListPoolsRequest) ProtoMessage() {}
 
 func (x *ListPoolsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[30]
+	mi := &file_tidepool_proto_msgTypes[31]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2215,7 +2259,7 @@ func (x *ListPoolsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListPoolsRequest.ProtoReflect.Descriptor instead.
 func (*ListPoolsRequest) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{30}
+	return file_tidepool_proto_rawDescGZIP(), []int{31}
 }
 
 type PoolStatus struct {
@@ -2234,7 +2278,7 @@ type PoolStatus struct {
 
 func (x *PoolStatus) Reset() {
 	*x = PoolStatus{}
-	mi := &file_tidepool_proto_msgTypes[31]
+	mi := &file_tidepool_proto_msgTypes[32]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2246,7 +2290,7 @@ func (x *PoolStatus) String() string {
 func (*PoolStatus) ProtoMessage() {}
 
 func (x *PoolStatus) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[31]
+	mi := &file_tidepool_proto_msgTypes[32]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2259,7 +2303,7 @@ func (x *PoolStatus) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PoolStatus.ProtoReflect.Descriptor instead.
 func (*PoolStatus) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{31}
+	return file_tidepool_proto_rawDescGZIP(), []int{32}
 }
 
 func (x *PoolStatus) GetName() string {
@@ -2327,7 +2371,7 @@ type ListPoolsResponse struct {
 
 func (x *ListPoolsResponse) Reset() {
 	*x = ListPoolsResponse{}
-	mi := &file_tidepool_proto_msgTypes[32]
+	mi := &file_tidepool_proto_msgTypes[33]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2339,7 +2383,7 @@ func (x *ListPoolsResponse) String() string {
 func (*ListPoolsResponse) ProtoMessage() {}
 
 func (x *ListPoolsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_tidepool_proto_msgTypes[32]
+	mi := &file_tidepool_proto_msgTypes[33]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2352,7 +2396,7 @@ func (x *ListPoolsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListPoolsResponse.ProtoReflect.Descriptor instead.
 func (*ListPoolsResponse) Descriptor() ([]byte, []int) {
-	return file_tidepool_proto_rawDescGZIP(), []int{32}
+	return file_tidepool_proto_rawDescGZIP(), []int{33}
 }
 
 func (x *ListPoolsResponse) GetPools() []*PoolStatus {
@@ -2470,7 +2514,9 @@ const file_tidepool_proto_rawDesc = "" +
 	"\n" +
 	"publish_ms\x18\x0f \x01(\x01R\tpublishMs\x12\x1b\n" +
 	"\trecord_ms\x18\x10 \x01(\x01R\brecordMs\"\r\n" +
-	"\vInfoRequest\"\x95\x01\n" +
+	"\vInfoRequest\"(\n" +
+	"\x12RootArrivedRequest\x12\x12\n" +
+	"\x04root\x18\x01 \x01(\tR\x04root\"\x95\x01\n" +
 	"\fInfoResponse\x12\x18\n" +
 	"\aversion\x18\x01 \x01(\tR\aversion\x12\x12\n" +
 	"\x04root\x18\x02 \x01(\tR\x04root\x12\x14\n" +
@@ -2560,9 +2606,10 @@ const file_tidepool_proto_rawDesc = "" +
 	"\x04List\x12%.tidepool.api.v1.ListSnapshotsRequest\x1a&.tidepool.api.v1.ListSnapshotsResponse2c\n" +
 	"\n" +
 	"Containers\x12U\n" +
-	"\x04Fork\x12%.tidepool.api.v1.ForkContainerRequest\x1a&.tidepool.api.v1.ForkContainerResponse2M\n" +
+	"\x04Fork\x12%.tidepool.api.v1.ForkContainerRequest\x1a&.tidepool.api.v1.ForkContainerResponse2\x99\x01\n" +
 	"\x06Daemon\x12C\n" +
-	"\x04Info\x12\x1c.tidepool.api.v1.InfoRequest\x1a\x1d.tidepool.api.v1.InfoResponse2\xe1\x04\n" +
+	"\x04Info\x12\x1c.tidepool.api.v1.InfoRequest\x1a\x1d.tidepool.api.v1.InfoResponse\x12J\n" +
+	"\vRootArrived\x12#.tidepool.api.v1.RootArrivedRequest\x1a\x16.google.protobuf.Empty2\xe1\x04\n" +
 	"\x05Pools\x12D\n" +
 	"\x03Run\x12\x1b.tidepool.api.v1.RunRequest\x1a\x1c.tidepool.api.v1.RunResponse(\x010\x01\x12M\n" +
 	"\x04List\x12!.tidepool.api.v1.ListPoolsRequest\x1a\".tidepool.api.v1.ListPoolsResponse\x12F\n" +
@@ -2586,7 +2633,7 @@ func file_tidepool_proto_rawDescGZIP() []byte {
 	return file_tidepool_proto_rawDescData
 }
 
-var file_tidepool_proto_msgTypes = make([]protoimpl.MessageInfo, 36)
+var file_tidepool_proto_msgTypes = make([]protoimpl.MessageInfo, 37)
 var file_tidepool_proto_goTypes = []any{
 	(*Fork)(nil),                  // 0: tidepool.api.v1.Fork
 	(*Revision)(nil),              // 1: tidepool.api.v1.Revision
@@ -2607,48 +2654,49 @@ var file_tidepool_proto_goTypes = []any{
 	(*ForkContainerRequest)(nil),  // 16: tidepool.api.v1.ForkContainerRequest
 	(*ForkContainerResponse)(nil), // 17: tidepool.api.v1.ForkContainerResponse
 	(*InfoRequest)(nil),           // 18: tidepool.api.v1.InfoRequest
-	(*InfoResponse)(nil),          // 19: tidepool.api.v1.InfoResponse
-	(*AdoptRequest)(nil),          // 20: tidepool.api.v1.AdoptRequest
-	(*AdoptResponse)(nil),         // 21: tidepool.api.v1.AdoptResponse
-	(*MemberRequest)(nil),         // 22: tidepool.api.v1.MemberRequest
-	(*SignalMemberRequest)(nil),   // 23: tidepool.api.v1.SignalMemberRequest
-	(*PauseMemberRequest)(nil),    // 24: tidepool.api.v1.PauseMemberRequest
-	(*WaitMemberResponse)(nil),    // 25: tidepool.api.v1.WaitMemberResponse
-	(*RunStart)(nil),              // 26: tidepool.api.v1.RunStart
-	(*RunRequest)(nil),            // 27: tidepool.api.v1.RunRequest
-	(*RunExit)(nil),               // 28: tidepool.api.v1.RunExit
-	(*RunResponse)(nil),           // 29: tidepool.api.v1.RunResponse
-	(*ListPoolsRequest)(nil),      // 30: tidepool.api.v1.ListPoolsRequest
-	(*PoolStatus)(nil),            // 31: tidepool.api.v1.PoolStatus
-	(*ListPoolsResponse)(nil),     // 32: tidepool.api.v1.ListPoolsResponse
-	nil,                           // 33: tidepool.api.v1.Fork.LabelsEntry
-	nil,                           // 34: tidepool.api.v1.CreateForkRequest.LabelsEntry
-	nil,                           // 35: tidepool.api.v1.ForkContainerRequest.LabelsEntry
-	(*timestamppb.Timestamp)(nil), // 36: google.protobuf.Timestamp
-	(*durationpb.Duration)(nil),   // 37: google.protobuf.Duration
-	(*emptypb.Empty)(nil),         // 38: google.protobuf.Empty
+	(*RootArrivedRequest)(nil),    // 19: tidepool.api.v1.RootArrivedRequest
+	(*InfoResponse)(nil),          // 20: tidepool.api.v1.InfoResponse
+	(*AdoptRequest)(nil),          // 21: tidepool.api.v1.AdoptRequest
+	(*AdoptResponse)(nil),         // 22: tidepool.api.v1.AdoptResponse
+	(*MemberRequest)(nil),         // 23: tidepool.api.v1.MemberRequest
+	(*SignalMemberRequest)(nil),   // 24: tidepool.api.v1.SignalMemberRequest
+	(*PauseMemberRequest)(nil),    // 25: tidepool.api.v1.PauseMemberRequest
+	(*WaitMemberResponse)(nil),    // 26: tidepool.api.v1.WaitMemberResponse
+	(*RunStart)(nil),              // 27: tidepool.api.v1.RunStart
+	(*RunRequest)(nil),            // 28: tidepool.api.v1.RunRequest
+	(*RunExit)(nil),               // 29: tidepool.api.v1.RunExit
+	(*RunResponse)(nil),           // 30: tidepool.api.v1.RunResponse
+	(*ListPoolsRequest)(nil),      // 31: tidepool.api.v1.ListPoolsRequest
+	(*PoolStatus)(nil),            // 32: tidepool.api.v1.PoolStatus
+	(*ListPoolsResponse)(nil),     // 33: tidepool.api.v1.ListPoolsResponse
+	nil,                           // 34: tidepool.api.v1.Fork.LabelsEntry
+	nil,                           // 35: tidepool.api.v1.CreateForkRequest.LabelsEntry
+	nil,                           // 36: tidepool.api.v1.ForkContainerRequest.LabelsEntry
+	(*timestamppb.Timestamp)(nil), // 37: google.protobuf.Timestamp
+	(*durationpb.Duration)(nil),   // 38: google.protobuf.Duration
+	(*emptypb.Empty)(nil),         // 39: google.protobuf.Empty
 }
 var file_tidepool_proto_depIdxs = []int32{
-	36, // 0: tidepool.api.v1.Fork.created:type_name -> google.protobuf.Timestamp
-	36, // 1: tidepool.api.v1.Fork.updated:type_name -> google.protobuf.Timestamp
-	37, // 2: tidepool.api.v1.Fork.ttl:type_name -> google.protobuf.Duration
-	33, // 3: tidepool.api.v1.Fork.labels:type_name -> tidepool.api.v1.Fork.LabelsEntry
+	37, // 0: tidepool.api.v1.Fork.created:type_name -> google.protobuf.Timestamp
+	37, // 1: tidepool.api.v1.Fork.updated:type_name -> google.protobuf.Timestamp
+	38, // 2: tidepool.api.v1.Fork.ttl:type_name -> google.protobuf.Duration
+	34, // 3: tidepool.api.v1.Fork.labels:type_name -> tidepool.api.v1.Fork.LabelsEntry
 	1,  // 4: tidepool.api.v1.Fork.history:type_name -> tidepool.api.v1.Revision
-	36, // 5: tidepool.api.v1.Revision.time:type_name -> google.protobuf.Timestamp
-	37, // 6: tidepool.api.v1.CreateForkRequest.ttl:type_name -> google.protobuf.Duration
-	34, // 7: tidepool.api.v1.CreateForkRequest.labels:type_name -> tidepool.api.v1.CreateForkRequest.LabelsEntry
+	37, // 5: tidepool.api.v1.Revision.time:type_name -> google.protobuf.Timestamp
+	38, // 6: tidepool.api.v1.CreateForkRequest.ttl:type_name -> google.protobuf.Duration
+	35, // 7: tidepool.api.v1.CreateForkRequest.labels:type_name -> tidepool.api.v1.CreateForkRequest.LabelsEntry
 	0,  // 8: tidepool.api.v1.ListForksResponse.forks:type_name -> tidepool.api.v1.Fork
 	10, // 9: tidepool.api.v1.BindRequest.rootfs:type_name -> tidepool.api.v1.Mount
 	10, // 10: tidepool.api.v1.BindResponse.mounts:type_name -> tidepool.api.v1.Mount
 	14, // 11: tidepool.api.v1.ListSnapshotsResponse.snapshots:type_name -> tidepool.api.v1.Snapshot
-	35, // 12: tidepool.api.v1.ForkContainerRequest.labels:type_name -> tidepool.api.v1.ForkContainerRequest.LabelsEntry
-	37, // 13: tidepool.api.v1.ForkContainerRequest.ttl:type_name -> google.protobuf.Duration
+	36, // 12: tidepool.api.v1.ForkContainerRequest.labels:type_name -> tidepool.api.v1.ForkContainerRequest.LabelsEntry
+	38, // 13: tidepool.api.v1.ForkContainerRequest.ttl:type_name -> google.protobuf.Duration
 	0,  // 14: tidepool.api.v1.ForkContainerResponse.forks:type_name -> tidepool.api.v1.Fork
 	10, // 15: tidepool.api.v1.AdoptRequest.rootfs:type_name -> tidepool.api.v1.Mount
-	36, // 16: tidepool.api.v1.WaitMemberResponse.exited_at:type_name -> google.protobuf.Timestamp
-	26, // 17: tidepool.api.v1.RunRequest.start:type_name -> tidepool.api.v1.RunStart
-	28, // 18: tidepool.api.v1.RunResponse.exit:type_name -> tidepool.api.v1.RunExit
-	31, // 19: tidepool.api.v1.ListPoolsResponse.pools:type_name -> tidepool.api.v1.PoolStatus
+	37, // 16: tidepool.api.v1.WaitMemberResponse.exited_at:type_name -> google.protobuf.Timestamp
+	27, // 17: tidepool.api.v1.RunRequest.start:type_name -> tidepool.api.v1.RunStart
+	29, // 18: tidepool.api.v1.RunResponse.exit:type_name -> tidepool.api.v1.RunExit
+	32, // 19: tidepool.api.v1.ListPoolsResponse.pools:type_name -> tidepool.api.v1.PoolStatus
 	2,  // 20: tidepool.api.v1.Forks.Create:input_type -> tidepool.api.v1.CreateForkRequest
 	3,  // 21: tidepool.api.v1.Forks.Get:input_type -> tidepool.api.v1.GetForkRequest
 	4,  // 22: tidepool.api.v1.Forks.List:input_type -> tidepool.api.v1.ListForksRequest
@@ -2659,34 +2707,36 @@ var file_tidepool_proto_depIdxs = []int32{
 	13, // 27: tidepool.api.v1.Snapshots.List:input_type -> tidepool.api.v1.ListSnapshotsRequest
 	16, // 28: tidepool.api.v1.Containers.Fork:input_type -> tidepool.api.v1.ForkContainerRequest
 	18, // 29: tidepool.api.v1.Daemon.Info:input_type -> tidepool.api.v1.InfoRequest
-	27, // 30: tidepool.api.v1.Pools.Run:input_type -> tidepool.api.v1.RunRequest
-	30, // 31: tidepool.api.v1.Pools.List:input_type -> tidepool.api.v1.ListPoolsRequest
-	20, // 32: tidepool.api.v1.Pools.Adopt:input_type -> tidepool.api.v1.AdoptRequest
-	22, // 33: tidepool.api.v1.Pools.StartMember:input_type -> tidepool.api.v1.MemberRequest
-	23, // 34: tidepool.api.v1.Pools.SignalMember:input_type -> tidepool.api.v1.SignalMemberRequest
-	24, // 35: tidepool.api.v1.Pools.PauseMember:input_type -> tidepool.api.v1.PauseMemberRequest
-	22, // 36: tidepool.api.v1.Pools.WaitMember:input_type -> tidepool.api.v1.MemberRequest
-	22, // 37: tidepool.api.v1.Pools.ReleaseMember:input_type -> tidepool.api.v1.MemberRequest
-	0,  // 38: tidepool.api.v1.Forks.Create:output_type -> tidepool.api.v1.Fork
-	0,  // 39: tidepool.api.v1.Forks.Get:output_type -> tidepool.api.v1.Fork
-	5,  // 40: tidepool.api.v1.Forks.List:output_type -> tidepool.api.v1.ListForksResponse
-	38, // 41: tidepool.api.v1.Forks.Remove:output_type -> google.protobuf.Empty
-	0,  // 42: tidepool.api.v1.Forks.Advance:output_type -> tidepool.api.v1.Fork
-	9,  // 43: tidepool.api.v1.Forks.LiveRoots:output_type -> tidepool.api.v1.LiveRootsResponse
-	12, // 44: tidepool.api.v1.Snapshots.Bind:output_type -> tidepool.api.v1.BindResponse
-	15, // 45: tidepool.api.v1.Snapshots.List:output_type -> tidepool.api.v1.ListSnapshotsResponse
-	17, // 46: tidepool.api.v1.Containers.Fork:output_type -> tidepool.api.v1.ForkContainerResponse
-	19, // 47: tidepool.api.v1.Daemon.Info:output_type -> tidepool.api.v1.InfoResponse
-	29, // 48: tidepool.api.v1.Pools.Run:output_type -> tidepool.api.v1.RunResponse
-	32, // 49: tidepool.api.v1.Pools.List:output_type -> tidepool.api.v1.ListPoolsResponse
-	21, // 50: tidepool.api.v1.Pools.Adopt:output_type -> tidepool.api.v1.AdoptResponse
-	38, // 51: tidepool.api.v1.Pools.StartMember:output_type -> google.protobuf.Empty
-	38, // 52: tidepool.api.v1.Pools.SignalMember:output_type -> google.protobuf.Empty
-	38, // 53: tidepool.api.v1.Pools.PauseMember:output_type -> google.protobuf.Empty
-	25, // 54: tidepool.api.v1.Pools.WaitMember:output_type -> tidepool.api.v1.WaitMemberResponse
-	38, // 55: tidepool.api.v1.Pools.ReleaseMember:output_type -> google.protobuf.Empty
-	38, // [38:56] is the sub-list for method output_type
-	20, // [20:38] is the sub-list for method input_type
+	19, // 30: tidepool.api.v1.Daemon.RootArrived:input_type -> tidepool.api.v1.RootArrivedRequest
+	28, // 31: tidepool.api.v1.Pools.Run:input_type -> tidepool.api.v1.RunRequest
+	31, // 32: tidepool.api.v1.Pools.List:input_type -> tidepool.api.v1.ListPoolsRequest
+	21, // 33: tidepool.api.v1.Pools.Adopt:input_type -> tidepool.api.v1.AdoptRequest
+	23, // 34: tidepool.api.v1.Pools.StartMember:input_type -> tidepool.api.v1.MemberRequest
+	24, // 35: tidepool.api.v1.Pools.SignalMember:input_type -> tidepool.api.v1.SignalMemberRequest
+	25, // 36: tidepool.api.v1.Pools.PauseMember:input_type -> tidepool.api.v1.PauseMemberRequest
+	23, // 37: tidepool.api.v1.Pools.WaitMember:input_type -> tidepool.api.v1.MemberRequest
+	23, // 38: tidepool.api.v1.Pools.ReleaseMember:input_type -> tidepool.api.v1.MemberRequest
+	0,  // 39: tidepool.api.v1.Forks.Create:output_type -> tidepool.api.v1.Fork
+	0,  // 40: tidepool.api.v1.Forks.Get:output_type -> tidepool.api.v1.Fork
+	5,  // 41: tidepool.api.v1.Forks.List:output_type -> tidepool.api.v1.ListForksResponse
+	39, // 42: tidepool.api.v1.Forks.Remove:output_type -> google.protobuf.Empty
+	0,  // 43: tidepool.api.v1.Forks.Advance:output_type -> tidepool.api.v1.Fork
+	9,  // 44: tidepool.api.v1.Forks.LiveRoots:output_type -> tidepool.api.v1.LiveRootsResponse
+	12, // 45: tidepool.api.v1.Snapshots.Bind:output_type -> tidepool.api.v1.BindResponse
+	15, // 46: tidepool.api.v1.Snapshots.List:output_type -> tidepool.api.v1.ListSnapshotsResponse
+	17, // 47: tidepool.api.v1.Containers.Fork:output_type -> tidepool.api.v1.ForkContainerResponse
+	20, // 48: tidepool.api.v1.Daemon.Info:output_type -> tidepool.api.v1.InfoResponse
+	39, // 49: tidepool.api.v1.Daemon.RootArrived:output_type -> google.protobuf.Empty
+	30, // 50: tidepool.api.v1.Pools.Run:output_type -> tidepool.api.v1.RunResponse
+	33, // 51: tidepool.api.v1.Pools.List:output_type -> tidepool.api.v1.ListPoolsResponse
+	22, // 52: tidepool.api.v1.Pools.Adopt:output_type -> tidepool.api.v1.AdoptResponse
+	39, // 53: tidepool.api.v1.Pools.StartMember:output_type -> google.protobuf.Empty
+	39, // 54: tidepool.api.v1.Pools.SignalMember:output_type -> google.protobuf.Empty
+	39, // 55: tidepool.api.v1.Pools.PauseMember:output_type -> google.protobuf.Empty
+	26, // 56: tidepool.api.v1.Pools.WaitMember:output_type -> tidepool.api.v1.WaitMemberResponse
+	39, // 57: tidepool.api.v1.Pools.ReleaseMember:output_type -> google.protobuf.Empty
+	39, // [39:58] is the sub-list for method output_type
+	20, // [20:39] is the sub-list for method input_type
 	20, // [20:20] is the sub-list for extension type_name
 	20, // [20:20] is the sub-list for extension extendee
 	0,  // [0:20] is the sub-list for field type_name
@@ -2697,13 +2747,13 @@ func file_tidepool_proto_init() {
 	if File_tidepool_proto != nil {
 		return
 	}
-	file_tidepool_proto_msgTypes[27].OneofWrappers = []any{
+	file_tidepool_proto_msgTypes[28].OneofWrappers = []any{
 		(*RunRequest_Start)(nil),
 		(*RunRequest_Stdin)(nil),
 		(*RunRequest_StdinClose)(nil),
 		(*RunRequest_Signal)(nil),
 	}
-	file_tidepool_proto_msgTypes[29].OneofWrappers = []any{
+	file_tidepool_proto_msgTypes[30].OneofWrappers = []any{
 		(*RunResponse_Stdout)(nil),
 		(*RunResponse_Stderr)(nil),
 		(*RunResponse_Exit)(nil),
@@ -2715,7 +2765,7 @@ func file_tidepool_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_tidepool_proto_rawDesc), len(file_tidepool_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   36,
+			NumMessages:   37,
 			NumExtensions: 0,
 			NumServices:   5,
 		},

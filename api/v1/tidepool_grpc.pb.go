@@ -584,16 +584,23 @@ var Containers_ServiceDesc = grpc.ServiceDesc{
 }
 
 const (
-	Daemon_Info_FullMethodName = "/tidepool.api.v1.Daemon/Info"
+	Daemon_Info_FullMethodName        = "/tidepool.api.v1.Daemon/Info"
+	Daemon_RootArrived_FullMethodName = "/tidepool.api.v1.Daemon/RootArrived"
 )
 
 // DaemonClient is the client API for Daemon service.
 //
 // For semantics around ctx use and closing/ending streaming RPCs, please refer to https://pkg.go.dev/google.golang.org/grpc/?tab=doc#ClientConn.NewStream.
 //
-// Daemon answers questions about the running tidepoold.
+// Daemon answers questions about the running tidepoold, and hears of roots that
+// entered its store without it.
 type DaemonClient interface {
 	Info(ctx context.Context, in *InfoRequest, opts ...grpc.CallOption) (*InfoResponse, error)
+	// RootArrived tells tidepoold of a root a client put in the store itself
+	// (tidepool ingest, tidepool pull without --fork), so that it prepares the root's
+	// views in the background as it does for forks made through it. The root need
+	// not be complete: what cannot be prepared is left to the first container.
+	RootArrived(ctx context.Context, in *RootArrivedRequest, opts ...grpc.CallOption) (*emptypb.Empty, error)
 }
 
 type daemonClient struct {
@@ -614,13 +621,29 @@ func (c *daemonClient) Info(ctx context.Context, in *InfoRequest, opts ...grpc.C
 	return out, nil
 }
 
+func (c *daemonClient) RootArrived(ctx context.Context, in *RootArrivedRequest, opts ...grpc.CallOption) (*emptypb.Empty, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(emptypb.Empty)
+	err := c.cc.Invoke(ctx, Daemon_RootArrived_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // DaemonServer is the server API for Daemon service.
 // All implementations must embed UnimplementedDaemonServer
 // for forward compatibility.
 //
-// Daemon answers questions about the running tidepoold.
+// Daemon answers questions about the running tidepoold, and hears of roots that
+// entered its store without it.
 type DaemonServer interface {
 	Info(context.Context, *InfoRequest) (*InfoResponse, error)
+	// RootArrived tells tidepoold of a root a client put in the store itself
+	// (tidepool ingest, tidepool pull without --fork), so that it prepares the root's
+	// views in the background as it does for forks made through it. The root need
+	// not be complete: what cannot be prepared is left to the first container.
+	RootArrived(context.Context, *RootArrivedRequest) (*emptypb.Empty, error)
 	mustEmbedUnimplementedDaemonServer()
 }
 
@@ -633,6 +656,9 @@ type UnimplementedDaemonServer struct{}
 
 func (UnimplementedDaemonServer) Info(context.Context, *InfoRequest) (*InfoResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method Info not implemented")
+}
+func (UnimplementedDaemonServer) RootArrived(context.Context, *RootArrivedRequest) (*emptypb.Empty, error) {
+	return nil, status.Error(codes.Unimplemented, "method RootArrived not implemented")
 }
 func (UnimplementedDaemonServer) mustEmbedUnimplementedDaemonServer() {}
 func (UnimplementedDaemonServer) testEmbeddedByValue()                {}
@@ -673,6 +699,24 @@ func _Daemon_Info_Handler(srv interface{}, ctx context.Context, dec func(interfa
 	return interceptor(ctx, in, info, handler)
 }
 
+func _Daemon_RootArrived_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(RootArrivedRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(DaemonServer).RootArrived(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Daemon_RootArrived_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(DaemonServer).RootArrived(ctx, req.(*RootArrivedRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // Daemon_ServiceDesc is the grpc.ServiceDesc for Daemon service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -683,6 +727,10 @@ var Daemon_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "Info",
 			Handler:    _Daemon_Info_Handler,
+		},
+		{
+			MethodName: "RootArrived",
+			Handler:    _Daemon_RootArrived_Handler,
 		},
 	},
 	Streams:  []grpc.StreamDesc{},

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
 	"path/filepath"
 	"time"
 
@@ -141,6 +142,40 @@ func (g storeGuard) Has(h casstore.Hash) (bool, error) {
 		return false, err
 	}
 	return s.Has(h)
+}
+
+// announce tells the tidepoold owning this root, if one runs and keeps its objects in
+// the store this command wrote to, of a root the command put there, so that it
+// prepares the root's views in the background (Daemon.RootArrived). The command's
+// work is done either way: a daemon that cannot be told is only logged.
+func (a *app) announce(ctx context.Context, root casstore.Hash) {
+	if a.api == nil {
+		c, err := a.dialDaemon(ctx)
+		if err != nil || c == nil {
+			return
+		}
+		a.api = c
+		a.closers = append(a.closers, c.Close)
+	}
+	ctx, cancel := context.WithTimeout(ctx, 3*time.Second)
+	defer cancel()
+	info, err := a.api.Info(ctx)
+	if err == nil && !sameDir(info.GetStore(), a.storePath()) {
+		return // another store: the daemon has none of the root's objects
+	}
+	if err == nil {
+		err = a.api.RootArrived(ctx, root)
+	}
+	if err != nil {
+		log.G(ctx).WithError(err).Debug("tidepoold not told of the root; its first container prepares its view")
+	}
+}
+
+// sameDir reports whether two paths name one directory.
+func sameDir(a, b string) bool {
+	x, errA := os.Stat(a)
+	y, errB := os.Stat(b)
+	return errA == nil && errB == nil && os.SameFile(x, y)
 }
 
 // daemonAddress is the API socket of the tidepoold that owns this root: --api-address,

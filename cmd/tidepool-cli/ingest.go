@@ -25,7 +25,8 @@ hash as the last line of stdout. The rules are LunarFS's (.git skipped, empty
 directories kept, exec bit from any x bit, names made valid UTF-8); symlinks are kept
 as symlink entries unless --lunar-strict, which drops them so that the root equals
 what 'lunar ingest' prints. Nothing is added to the store unless the whole ingest
-succeeds.`,
+succeeds. A tidepoold running on the store is told of the root, so that it prepares
+the root's kernel views in the background.`,
 		Args: cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			store, err := a.openStore()
@@ -42,6 +43,7 @@ succeeds.`,
 			if err != nil {
 				return err
 			}
+			a.announce(cmd.Context(), root)
 			warnSpecial(stderr, st.Special)
 			fmt.Fprintf(stderr, "ingested %d files (%s) in %d directories, %d symlinks, %d skipped, in %s\n",
 				st.Files, formatBytes(st.Bytes), st.Dirs, st.Symlinks, st.Skipped, time.Since(start).Round(time.Millisecond))

@@ -178,6 +178,7 @@ the ref so that ` + "`tidepool push FORK`" + ` pushes back to it.`,
 			fmt.Fprintf(cmd.ErrOrStderr(), "pulled %s from %s: %d objects (%s) fetched, %d present, %d requests (%d packs), %s\n", root.Short(), r,
 				res.Objects, humanBytes(res.Bytes), res.Present, res.Requests, res.Packs, time.Since(start).Round(time.Millisecond))
 			if !makeFork {
+				a.announce(ctx, root) // --fork: the fork's creation tells tidepoold
 				_, err = fmt.Fprintln(cmd.OutOrStdout(), root)
 				return err
 			}

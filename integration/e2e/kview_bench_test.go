@@ -1,10 +1,13 @@
 package e2e
 
 import (
+	"context"
 	"fmt"
+	"io/fs"
 	"os"
 	"path/filepath"
 	"runtime"
+	"sort"
 	"strconv"
 	"strings"
 	"testing"
@@ -137,22 +140,28 @@ func bakedGoImage(b *testing.B) string {
 
 // BenchmarkRunWithNewKernelView: `ctr run --rm` with a fork of the Go source tree whose
 // kernel view was never built, against the overlayfs snapshotter without a fork,
-// interleaved. Each round restarts tidepoold first (so it has decoded none of the
-// tree) and warms it and containerd up with one run on a view built before the
-// restart and one overlayfs run, then runs: first, the tree at a workdir it was never
-// mounted at (a new image from a scan: every tree object read and decoded); shared,
-// another new workdir (a new image, the decoded trees remembered from "first", as
-// for a commit's new root); derived, first's workdir for a new owner (the image
-// derived from first's, its owner rewritten); cached, that owner again (the image is
-// cached); committed, an agent's next turn: a fork whose previous container wrote a
-// file, so that its root is one no view ever showed, the image built in the
-// background when the commit landed (arrivals; untimed: the round waits for that
-// build, as a turn that starts a moment after the last one ended would not); base,
-// overlayfs. Goal: a tree never mounted before within 1.2x of base.
+// interleaved. Each round restarts tidepoold first and warms it and containerd up
+// with one run on a view built before the restart and one overlayfs run; the round
+// then waits (untimed) for tidepoold's start-up warm-up (the trees of the roots its
+// images showed last decoded), as any container after the first second of a daemon's
+// life would find it done, and runs: unseen, a tree tidepoold never decoded (the Go
+// tree with a file added to every directory, so that every tree object is new,
+// ingested by the CLI while tidepoold was down, so that nothing told it: a new image
+// from a full scan, every tree object read and decoded); first, the Go tree at a workdir it was never
+// mounted at (a new image, its trees decoded at start-up); shared, another new
+// workdir (a new image, the trees decoded, as for a commit's new root); derived,
+// first's workdir for a new owner (the image derived from first's, its owner
+// rewritten); cached, that owner again (the image is cached); committed, an agent's
+// next turn: a fork whose previous container wrote a file, so that its root is one
+// no view ever showed, the image built in the background when the commit landed
+// (arrivals; untimed: the round waits for that build, as a turn that starts a moment
+// after the last one ended would not); base, overlayfs. Goal: a tree never mounted
+// before within 1.2x of base.
 func BenchmarkRunWithNewKernelView(b *testing.B) {
 	s := stack.Start(b, stack.Options{Metrics: true})
 	s.C.ImportImage(b, imagebuild.BusyboxArchive(b).Path, imagebuild.BusyboxRef, "tidepool", "overlayfs")
-	root := s.Ingest(b, filepath.Join(runtime.GOROOT(), "src"))
+	src := filepath.Join(runtime.GOROOT(), "src")
+	root := s.Ingest(b, src)
 	run := func(name, workdir string, flags ...string) time.Duration {
 		file := workdir + "/go/build/build.go"
 		if len(flags) == 0 {
@@ -162,31 +171,51 @@ func BenchmarkRunWithNewKernelView(b *testing.B) {
 		_, t := timeToFirstByte(b, s, args...)
 		return t
 	}
-	view := func(workdir string, owner int) []string {
+	viewOf := func(root, workdir string, owner int) []string {
 		return forkLabels(root, workdir, fmt.Sprintf("%s=%d:%d", binding.LabelOwner, owner, owner))
 	}
+	view := func(workdir string, owner int) []string { return viewOf(root, workdir, owner) }
 	run("built-before", "/src", view("/src", 1999)...)
 	agent := strings.TrimSpace(s.MustTidepool(b, "fork", root, "--label", "agent"))
 	agentView := forkLabels(agent, "/agent", binding.LabelOwner+"=2000:2000")
 	images := func() float64 {
 		return s.Metric(b, "tidepool_views_image_builds_total") + s.Metric(b, "tidepool_views_image_derived_total")
 	}
-	var first, shared, derived, cached, committed, base []time.Duration
+	var unseen, first, shared, derived, cached, committed, base []time.Duration
+	var unseenTrees []float64
 	b.ResetTimer()
 	for i := 0; i < b.N; i++ {
 		b.StopTimer()
+		// unseen's tree is ingested while tidepoold is down, so that nobody tells it.
 		waitViewsReleased(b, s)
-		s.RestartDaemon(b)
+		if err := s.Daemon.Stop(); err != nil {
+			b.Fatal(err)
+		}
+		fresh := s.Ingest(b, saltedTree(b, src, fmt.Sprint(i)))
+		if err := s.Daemon.Start(context.Background()); err != nil {
+			b.Fatalf("start tidepoold: %v\n%s", err, s.Daemon.LogTail(40))
+		}
 		run(fmt.Sprintf("warm-view-%d", i), "/src", view("/src", 1999)...)
 		run(fmt.Sprintf("warm-base-%d", i), "")
+		for deadline := time.Now().Add(time.Minute); s.Metric(b, "tidepool_views_trees_warmed_total") == 0; {
+			if time.Now().After(deadline) {
+				b.Fatal("tidepoold decoded no trees of recent views after its start")
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+		read0 := s.Metric(b, "tidepool_views_image_trees_read_total")
+		b.StartTimer()
+		unseen = append(unseen, run(fmt.Sprintf("unseen-%d", i), "/fresh", viewOf(fresh, "/fresh", 2000)...))
+		b.StopTimer()
+		unseenTrees = append(unseenTrees, s.Metric(b, "tidepool_views_image_trees_read_total")-read0)
 		b.StartTimer()
 		wd, wd2 := fmt.Sprintf("/src-%d", i), fmt.Sprintf("/src-%d-b", i)
 		first = append(first, run(fmt.Sprintf("first-%d", i), wd, view(wd, 2000)...))
 		b.StopTimer()
-		// The agent's turn (after first, whose scan would otherwise find the tree
-		// decoded by this turn's builds): its commit is the fork's next root, whose
-		// image is built when the commit lands. The first turn builds its own view
-		// too; later ones find theirs built when the turn before committed.
+		// The agent's turn (after first, whose build would otherwise find the trees
+		// of this turn's decoded by its builds): its commit is the fork's next root,
+		// whose image is built when the commit lands. The first turn builds its own
+		// view too; later ones find theirs built when the turn before committed.
 		want := images() + 1
 		if i == 0 {
 			want++
@@ -209,9 +238,58 @@ func BenchmarkRunWithNewKernelView(b *testing.B) {
 	for _, m := range []struct {
 		name string
 		ds   []time.Duration
-	}{{"first", first}, {"shared", shared}, {"derived", derived}, {"cached", cached}, {"committed", committed}} {
+	}{{"unseen", unseen}, {"first", first}, {"shared", shared}, {"derived", derived}, {"cached", cached}, {"committed", committed}} {
 		b.ReportMetric(float64(median(m.ds).Microseconds())/1000, m.name+"-view-run-ms")
 		b.ReportMetric(float64(median(m.ds))/float64(median(base)), m.name+"-view-x-vs-overlayfs")
 	}
 	b.ReportMetric(float64(median(base).Microseconds())/1000, "overlayfs-run-ms")
+	// What makes unseen what it says: its build read every tree object.
+	sort.Float64s(unseenTrees)
+	b.ReportMetric(unseenTrees[0], "unseen-trees-read-min")
+}
+
+// saltedTree is a copy of dir (files hard-linked where the filesystem allows) with a
+// file naming salt added to every directory, so that none of its tree objects is one
+// of dir's.
+func saltedTree(b *testing.B, dir, salt string) string {
+	b.Helper()
+	out := filepath.Join(b.TempDir(), "tree")
+	err := filepath.WalkDir(dir, func(p string, d fs.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		rel, _ := filepath.Rel(dir, p)
+		dst := filepath.Join(out, rel)
+		switch {
+		case d.IsDir():
+			if err := os.MkdirAll(dst, 0o755); err != nil {
+				return err
+			}
+			return os.WriteFile(filepath.Join(dst, ".salt"), []byte(salt+"\n"), 0o644)
+		case d.Type().IsRegular():
+			if os.Link(p, dst) == nil {
+				return nil
+			}
+			data, err := os.ReadFile(p)
+			if err != nil {
+				return err
+			}
+			info, err := d.Info()
+			if err != nil {
+				return err
+			}
+			return os.WriteFile(dst, data, info.Mode().Perm())
+		case d.Type()&fs.ModeSymlink != 0:
+			target, err := os.Readlink(p)
+			if err != nil {
+				return err
+			}
+			return os.Symlink(target, dst)
+		}
+		return nil
+	})
+	if err != nil {
+		b.Fatal(err)
+	}
+	return out
 }

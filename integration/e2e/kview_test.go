@@ -201,7 +201,9 @@ func TestKernelViewForAnotherOwner(t *testing.T) {
 // tidepoold (as `tidepool fork` and `tidepool pull --fork` do), also right after a
 // restart, have their images built in the background, for the workdir and owner of
 // the views containers lately had; the containers that then run on them build
-// nothing on their create path.
+// nothing on their create path; so does a root `tidepool ingest` put in the store
+// (the CLI tells tidepoold). A restarted tidepoold decodes the trees of the roots it
+// showed last, so a new image of one of them reads no tree object.
 func TestKernelViewPreparedOnArrival(t *testing.T) {
 	requireKernelViews(t)
 	s := stack.Start(t, stack.Options{Metrics: true})
@@ -247,7 +249,28 @@ func TestKernelViewPreparedOnArrival(t *testing.T) {
 	arrive("forked", "lib/lib.go", "package lib\n", 3)
 	waitViewsReleased(t, s)
 	s.RestartDaemon(t)
-	arrive("after-restart", "cmd/main.go", "package main\n", 1)
+	// The new tidepoold decodes the trees of the roots its images showed last, so the
+	// image of agent's root at a workdir it never had reads no tree object.
+	deadline := time.Now().Add(30 * time.Second)
+	for s.Metric(t, "tidepool_views_trees_warmed_total") == 0 && time.Now().Before(deadline) {
+		time.Sleep(50 * time.Millisecond)
+	}
+	if s.Metric(t, "tidepool_views_trees_warmed_total") == 0 {
+		t.Fatal("tidepoold decoded no trees of recent views when it started")
+	}
+	if out := runRm(t, s, "new-workdir", forkLabels(agent, "/elsewhere", owner), imagebuild.BusyboxRef, "cat", "/elsewhere/turn"); out != "1\n" {
+		t.Fatalf("new-workdir read %q, want %q", out, "1\n")
+	}
+	waitImages(1)
+	if r := s.Metric(t, "tidepool_views_image_trees_read_total"); r != 0 {
+		t.Fatalf("the image of a root shown before the restart read %v tree objects, want 0", r)
+	}
+	arrive("after-restart", "cmd/main.go", "package main\n", 3) // for /elsewhere and /app
+	// A root the CLI put in the store itself: tidepool ingest tells tidepoold.
+	ingested := s.Ingest(t, writeTree(t, map[string]string{"pkg/p.go": "package p\n"}))
+	waitImages(5) // for /app and /elsewhere
+	run("ingested", ingested, "/app/pkg/p.go", "package p\n")
+	waitImages(5)
 	waitViewsReleased(t, s)
 	s.C.LeakCheck(t)
 }

@@ -183,3 +183,17 @@ func (s daemonServer) Info(context.Context, *apiv1.InfoRequest) (*apiv1.InfoResp
 	info.Pid = int32(os.Getpid())
 	return info, nil
 }
+
+// RootArrived prepares the views of a root a client put in the store itself, as
+// forksServer does for the roots of forks made or moved through the API. It only
+// queues work, so it answers at once.
+func (s daemonServer) RootArrived(_ context.Context, r *apiv1.RootArrivedRequest) (*emptypb.Empty, error) {
+	root, err := localapi.ParseHash("root", r.GetRoot())
+	if err != nil {
+		return nil, errgrpc.ToGRPC(err)
+	}
+	if s.Snapshotter != nil {
+		s.Snapshotter.RootArrived(root)
+	}
+	return &emptypb.Empty{}, nil
+}
