@@ -8,6 +8,7 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
+	"sort"
 	"strings"
 	"sync"
 	"time"
@@ -42,6 +43,9 @@ type Cache struct {
 	// name an image collected since: deriving from it fails and the image is built.
 	ownersMu sync.Mutex
 	owners   map[ownerClass]Spec
+	// lastRoots are the roots of the images found when the cache opened, the most
+	// recently used first (loadRecords), for WarmTrees.
+	lastRoots []casstore.Hash
 }
 
 // ownerClass is a tree as its images show it (root and prefix), and whether its
@@ -73,7 +77,7 @@ func NewCache(dir string, store *casstore.Store, stats *Stats) (*Cache, error) {
 		stats = &Stats{}
 	}
 	c := &Cache{dir: dir, store: store, stats: stats, memo: newTreeMemo(defaultMemoEntries)}
-	c.loadOwners()
+	c.loadRecords()
 	return c, nil
 }
 
@@ -298,18 +302,29 @@ func (c *Cache) forget(spec Spec) {
 	}
 }
 
-// loadOwners fills the owner index from the records of the images in the cache
-// (those a previous tidepoold built), when the cache opens; unreadable records are
-// skipped.
-func (c *Cache) loadOwners() {
+// loadRecords reads the records of the images in the cache (those a previous
+// tidepoold built) once, when the cache opens: it fills the owner index and lists the
+// roots the images show, the most recently used first (an image's mtime is its last
+// use), for WarmTrees. Unreadable records are skipped.
+func (c *Cache) loadRecords() {
 	c.owners = map[ownerClass]Spec{}
 	ents, err := os.ReadDir(c.dir)
 	if err != nil {
 		return
 	}
+	names := make(map[string]fs.DirEntry, len(ents))
 	for _, e := range ents {
-		key, ok := strings.CutSuffix(e.Name(), ".owners")
-		if !ok || strings.HasPrefix(key, ".") {
+		names[e.Name()] = e
+	}
+	type used struct {
+		root casstore.Hash
+		at   time.Time
+	}
+	var images []used
+	for _, e := range ents {
+		key, ok := strings.CutSuffix(e.Name(), ".json")
+		img := names[key+".erofs"]
+		if !ok || strings.HasPrefix(key, ".") || img == nil {
 			continue
 		}
 		b, err := os.ReadFile(c.path(key, ".json"))
@@ -318,8 +333,22 @@ func (c *Cache) loadOwners() {
 			continue
 		}
 		spec := Spec{Root: m.Root, Prefix: m.Prefix, UID: m.UID, GID: m.GID}
-		if spec.Key() == key {
+		if spec.Key() != key {
+			continue
+		}
+		if names[key+".owners"] != nil {
 			c.owners[classOf(spec)] = spec
+		}
+		if info, err := img.Info(); err == nil {
+			images = append(images, used{spec.Root, info.ModTime()})
+		}
+	}
+	sort.Slice(images, func(i, j int) bool { return images[i].at.After(images[j].at) })
+	seen := map[casstore.Hash]bool{}
+	for _, im := range images {
+		if !seen[im.root] {
+			seen[im.root] = true
+			c.lastRoots = append(c.lastRoots, im.root)
 		}
 	}
 }

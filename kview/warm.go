@@ -1,15 +1,6 @@
 package kview
 
-import (
-	"context"
-	"encoding/json"
-	"os"
-	"sort"
-	"strings"
-	"time"
-
-	"github.com/tidepool-dev/tidepool/casstore"
-)
+import "context"
 
 // This file warms a new process's memo of decoded trees.
 //
@@ -24,13 +15,13 @@ import (
 // build verifies them.
 
 // WarmTrees decodes into the memo the trees of the roots of the most recently used
-// cached images, up to roots distinct roots and half the memo's size (a warm-up
-// never evicts what it loaded). It returns how many tree objects it read. Images
-// collected meanwhile and trees whose objects have gone are skipped: a warm-up only
+// images found when the cache opened (loadRecords), up to roots distinct roots and
+// half the memo's size (a warm-up never evicts what it loaded). It returns how many
+// tree objects it read. Trees whose objects have gone are skipped: a warm-up only
 // saves time.
 func (c *Cache) WarmTrees(ctx context.Context, roots int) (int, error) {
 	n := 0
-	for _, root := range c.recentRoots(roots) {
+	for _, root := range c.lastRoots[:min(roots, len(c.lastRoots))] {
 		if c.memo.size() >= c.memo.maxEntries/2 {
 			break
 		}
@@ -52,43 +43,4 @@ func (c *Cache) WarmTrees(ctx context.Context, roots int) (int, error) {
 	}
 	c.stats.TreesWarmed.Add(int64(n))
 	return n, nil
-}
-
-// recentRoots returns the distinct roots of the cached images, the most recently
-// used first (an image's mtime is its last use), at most n.
-func (c *Cache) recentRoots(n int) []casstore.Hash {
-	ents, err := os.ReadDir(c.dir)
-	if err != nil {
-		return nil
-	}
-	type used struct {
-		key string
-		at  time.Time
-	}
-	var imgs []used
-	for _, e := range ents {
-		key, ok := strings.CutSuffix(e.Name(), ".erofs")
-		if !ok || strings.HasPrefix(key, ".") {
-			continue
-		}
-		if info, err := e.Info(); err == nil {
-			imgs = append(imgs, used{key, info.ModTime()})
-		}
-	}
-	sort.Slice(imgs, func(i, j int) bool { return imgs[i].at.After(imgs[j].at) })
-	seen := map[casstore.Hash]bool{}
-	var out []casstore.Hash
-	for _, im := range imgs {
-		if len(out) == n {
-			break
-		}
-		b, err := os.ReadFile(c.path(im.key, ".json"))
-		var m meta
-		if err != nil || json.Unmarshal(b, &m) != nil || m.Root.IsZero() || seen[m.Root] {
-			continue
-		}
-		seen[m.Root] = true
-		out = append(out, m.Root)
-	}
-	return out
 }

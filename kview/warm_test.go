@@ -41,15 +41,14 @@ func TestWarmTrees(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	if got := c.recentRoots(5); len(got) != 2 || got[0] != recent || got[1] != old {
-		t.Fatalf("recent roots %v, want [%s %s]", got, recent.Short(), old.Short())
-	}
-
-	// A new process warms one root: recent's 5 trees (root, cmd, cmd/x, internal,
-	// internal/b), none of old's.
+	// A new process finds both roots, recent first, and warms one: recent's 5 trees
+	// (root, cmd, cmd/x, internal, internal/b), none of old's.
 	c2, err := NewCache(dir, s, nil)
 	if err != nil {
 		t.Fatal(err)
+	}
+	if got := c2.lastRoots; len(got) != 2 || got[0] != recent || got[1] != old {
+		t.Fatalf("recent roots %v, want [%s %s]", got, recent.Short(), old.Short())
 	}
 	n, err := c2.WarmTrees(ctx, 1)
 	if err != nil || n != 5 || c2.stats.TreesWarmed.Load() != 5 {

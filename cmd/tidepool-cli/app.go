@@ -99,11 +99,10 @@ func (a *app) openForks(ctx context.Context) (forks.Service, error) {
 	if a.forks != nil {
 		return a.forks, nil
 	}
-	if c, err := a.dialDaemon(ctx); err != nil {
+	if c, err := a.runningDaemon(ctx); err != nil {
 		return nil, err
 	} else if c != nil {
-		a.forks, a.api = c, c
-		a.closers = append(a.closers, c.Close)
+		a.forks = c
 		return c, nil
 	}
 	db, err := forks.OpenDB(a.forksDBPath(), time.Second)
@@ -149,22 +148,18 @@ func (g storeGuard) Has(h casstore.Hash) (bool, error) {
 // prepares the root's views in the background (Daemon.RootArrived). The command's
 // work is done either way: a daemon that cannot be told is only logged.
 func (a *app) announce(ctx context.Context, root casstore.Hash) {
-	if a.api == nil {
-		c, err := a.dialDaemon(ctx)
-		if err != nil || c == nil {
-			return
-		}
-		a.api = c
-		a.closers = append(a.closers, c.Close)
+	c, err := a.runningDaemon(ctx)
+	if err != nil || c == nil {
+		return
 	}
 	ctx, cancel := context.WithTimeout(ctx, 3*time.Second)
 	defer cancel()
-	info, err := a.api.Info(ctx)
+	info, err := c.Info(ctx)
 	if err == nil && !sameDir(info.GetStore(), a.storePath()) {
 		return // another store: the daemon has none of the root's objects
 	}
 	if err == nil {
-		err = a.api.RootArrived(ctx, root)
+		err = c.RootArrived(ctx, root)
 	}
 	if err != nil {
 		log.G(ctx).WithError(err).Debug("tidepoold not told of the root; its first container prepares its view")
@@ -185,6 +180,21 @@ func (a *app) daemonAddress() string {
 		return a.apiAddress
 	}
 	return runcmd.APIAddress(a.root)
+}
+
+// runningDaemon is a client of the tidepoold that owns this root, connected once per
+// invocation (dialDaemon); nil (and no error) when none runs.
+func (a *app) runningDaemon(ctx context.Context) (*localapi.Client, error) {
+	if a.api != nil {
+		return a.api, nil
+	}
+	c, err := a.dialDaemon(ctx)
+	if err != nil || c == nil {
+		return nil, err
+	}
+	a.api = c
+	a.closers = append(a.closers, c.Close)
+	return c, nil
 }
 
 // dialDaemon connects to the tidepoold that owns this root, if one runs. It returns

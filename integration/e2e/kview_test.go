@@ -17,6 +17,7 @@ import (
 	"github.com/tidepool-dev/tidepool/integration/imagebuild"
 	"github.com/tidepool-dev/tidepool/integration/stack"
 	"github.com/tidepool-dev/tidepool/kview"
+	"github.com/tidepool-dev/tidepool/remote/s3test"
 )
 
 // requireKernelViews skips unless this run serves views with the kernel.
@@ -201,8 +202,8 @@ func TestKernelViewForAnotherOwner(t *testing.T) {
 // tidepoold (as `tidepool fork` and `tidepool pull --fork` do), also right after a
 // restart, have their images built in the background, for the workdir and owner of
 // the views containers lately had; the containers that then run on them build
-// nothing on their create path; so does a root `tidepool ingest` put in the store
-// (the CLI tells tidepoold). A restarted tidepoold decodes the trees of the roots it
+// nothing on their create path; so do roots `tidepool ingest` and `tidepool pull`
+// put in the store (the CLI tells tidepoold). A restarted tidepoold decodes the trees of the roots it
 // showed last, so a new image of one of them reads no tree object.
 func TestKernelViewPreparedOnArrival(t *testing.T) {
 	requireKernelViews(t)
@@ -271,6 +272,18 @@ func TestKernelViewPreparedOnArrival(t *testing.T) {
 	waitImages(5) // for /app and /elsewhere
 	run("ingested", ingested, "/app/pkg/p.go", "package p\n")
 	waitImages(5)
+	// A root another host pushed, pulled into the store: tidepool pull tells tidepoold.
+	srv := s3test.Start(t)
+	url := "s3://" + srv.Bucket + "/arrival"
+	other := filepath.Join(t.TempDir(), "cas") // the other host's store: its ingest tells nobody here
+	out := strings.Fields(s.MustTidepool(t, "--store", other, "ingest", writeTree(t, map[string]string{"web/w.go": "package web\n"})))
+	pushed := out[len(out)-1]
+	s.MustTidepool(t, "--store", other, "--remote", url, "push", pushed, "--ref", "web")
+	waitImages(5)
+	s.MustTidepool(t, "--remote", url, "pull", "web")
+	waitImages(7) // for /app and /elsewhere
+	run("pulled", pushed, "/app/web/w.go", "package web\n")
+	waitImages(7)
 	waitViewsReleased(t, s)
 	s.C.LeakCheck(t)
 }
