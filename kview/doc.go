@@ -28,7 +28,10 @@
 // (derive.go). Host.Prebuild lets a caller start a build before it
 // mounts (the snapshotter does, as soon as it knows a fork's root). A mount first asks
 // the kernel to read the whole image (EROFS reads a file-backed image's metadata one
-// block at a time, each a synchronous read, with no readahead). Mounted views are
+// block at a time, each a synchronous read, with no readahead); if the image was not
+// in the page cache, a sign of cold caches, the host also reads ahead the data of the
+// view's files in the background, in tree order, up to Host.ColdReadAhead bytes
+// (coldread.go). Mounted views are
 // found again after a restart from the mount table: the overlay's source names the
 // image key ("tidepool-kview:<key>").
 //

@@ -29,6 +29,10 @@ type Host struct {
 	// Hydrator, if set, is asked for a tree's missing objects before Mount fails with
 	// a *MissingError.
 	Hydrator Hydrator
+	// ColdReadAhead is how many bytes of a view's files are read ahead, in the
+	// background, when it is mounted onto cold caches (coldread.go); 0: none.
+	ColdReadAhead int64
+	cold          *coldReader
 }
 
 // NewHost returns a host whose image cache is at cacheDir.
@@ -38,8 +42,12 @@ func NewHost(store *casstore.Store, cacheDir string) (*Host, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &Host{store: store, cache: c, stats: stats}, nil
+	return &Host{store: store, cache: c, stats: stats, cold: newColdReader(store, stats)}, nil
 }
+
+// Close stops the host's background work (read-aheads) and waits for it. Mounted
+// views stay.
+func (h *Host) Close() { h.cold.close() }
 
 // Stats returns the host's counters.
 func (h *Host) Stats() *Stats { return h.stats }
@@ -89,7 +97,7 @@ func (h *Host) mount(ctx context.Context, dir string, spec Spec, imageOnly bool)
 	if err != nil {
 		return err
 	}
-	prefetchImage(ctx, img)
+	cold := prefetchImage(ctx, img)
 	if imageOnly {
 		err = mountImage(img, dir)
 	} else {
@@ -97,6 +105,9 @@ func (h *Host) mount(ctx context.Context, dir string, spec Spec, imageOnly bool)
 	}
 	if err != nil {
 		return err
+	}
+	if cold && h.ColdReadAhead > 0 {
+		h.cold.start(log.WithLogger(ctx, log.G(ctx).WithField("root", spec.Root.Short())), spec.Key(), h.cache.path(spec.Key(), ".objects"), h.ColdReadAhead)
 	}
 	log.G(ctx).WithFields(log.Fields{"dir": dir, "root": spec.Root.Short(), "image": filepath.Base(img), "image_only": imageOnly}).Debug("kernel view mounted")
 	return nil

@@ -20,7 +20,14 @@ import (
 // before the container starts. An image still cached (just built, or in use by
 // other views) costs a walk of its pages in the page cache. Failing only costs
 // speed, so errors are logged, not returned.
-func prefetchImage(ctx context.Context, img string) {
+//
+// It reports whether the image was cold: fewer than half its pages were cached
+// before it asked for them (coldread.go).
+func prefetchImage(ctx context.Context, img string) (cold bool) {
+	cold, err := imageCold(img)
+	if err != nil {
+		log.G(ctx).WithError(err).WithField("image", img).Debug("could not tell whether a kernel view image is cached")
+	}
 	fd, err := unix.Open(img, unix.O_RDONLY|unix.O_CLOEXEC|unix.O_NOFOLLOW, 0)
 	if err == nil {
 		err = unix.Fadvise(fd, 0, 0, unix.FADV_WILLNEED)
@@ -29,4 +36,5 @@ func prefetchImage(ctx context.Context, img string) {
 	if err != nil {
 		log.G(ctx).WithError(err).WithField("image", img).Debug("could not prefetch a kernel view image")
 	}
+	return cold
 }

@@ -6,7 +6,6 @@ import (
 	"path/filepath"
 	"testing"
 	"time"
-	"unsafe"
 
 	"golang.org/x/sys/unix"
 
@@ -16,30 +15,11 @@ import (
 // resident counts the pages of the file at p that are in the page cache.
 func resident(t *testing.T, p string) (in, total int) {
 	t.Helper()
-	f, err := os.Open(p)
+	in, total, err := residentPages(p)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer f.Close()
-	st, err := f.Stat()
-	if err != nil {
-		t.Fatal(err)
-	}
-	m, err := unix.Mmap(int(f.Fd()), 0, int(st.Size()), unix.PROT_READ, unix.MAP_SHARED)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer unix.Munmap(m)
-	vec := make([]byte, (len(m)+os.Getpagesize()-1)/os.Getpagesize())
-	if _, _, errno := unix.Syscall(unix.SYS_MINCORE, uintptr(unsafe.Pointer(&m[0])), uintptr(len(m)), uintptr(unsafe.Pointer(&vec[0]))); errno != 0 {
-		t.Fatal(errno)
-	}
-	for _, v := range vec {
-		if v&1 != 0 {
-			in++
-		}
-	}
-	return in, len(vec)
+	return in, total
 }
 
 // TestPrefetchImage: an image whose pages left the page cache is read back into it

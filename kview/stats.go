@@ -15,4 +15,9 @@ type Stats struct {
 	// TreesWarmed counts the tree objects decoded into the memo when the process
 	// started, from the roots of the images it used last (warm.go).
 	TreesWarmed atomic.Int64
+	// ColdReadAheads counts the views mounted onto cold caches whose files' data was
+	// read ahead (coldread.go), and ColdReadAheadBytes the bytes of the objects read
+	// ahead.
+	ColdReadAheads     atomic.Int64
+	ColdReadAheadBytes atomic.Int64
 }

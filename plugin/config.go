@@ -55,12 +55,13 @@ type SnapshotterConfig struct {
 
 // ViewsConfig chooses how fork views are served and tunes the FUSE ones.
 type ViewsConfig struct {
-	Mode         string   `toml:"mode" comment:"How fork views are served: 'kernel' (a metadata-only EROFS image over the object store, read by the kernel\nalone: native speed, survives tidepoold restarts; kernel >= 6.12), 'fuse' (served by tidepoold; lazy\nhydration, late binding), or 'auto': kernel when the kernel supports it and every object of the tree is\nlocal, FUSE otherwise. Late-bound views (warm pool members) are always FUSE."`
-	Passthrough  bool     `toml:"passthrough" comment:"Use FUSE passthrough (kernel >= 6.9) so reads of local blobs bypass the daemon."`
-	NoOpen       bool     `toml:"no_open" comment:"Kernel open caching: no FUSE round trip per open (warm small-file reads near native), but no passthrough and\na page cache per view (N containers on one root cache each file N times). Off by default."`
-	EntryTimeout Duration `toml:"entry_timeout" comment:"How long the kernel caches names; objects never change, so long is safe."`
-	AttrTimeout  Duration `toml:"attr_timeout" comment:"How long the kernel caches attributes."`
-	Layering     string   `toml:"layering" comment:"How a kernel view enters the container's overlay: 'direct' (its EROFS image is the overlay's top lower\nlayer and the object store its data-only layer; metacopy=on, redirect_dir=on, trusted xattrs) or 'nested'\n(the view's own overlay is the top lower layer). Snapshots over very many layers, and snapshotter mount\noptions with userxattr, metacopy or redirect_dir, get nested views either way."`
+	Mode            string   `toml:"mode" comment:"How fork views are served: 'kernel' (a metadata-only EROFS image over the object store, read by the kernel\nalone: native speed, survives tidepoold restarts; kernel >= 6.12), 'fuse' (served by tidepoold; lazy\nhydration, late binding), or 'auto': kernel when the kernel supports it and every object of the tree is\nlocal, FUSE otherwise. Late-bound views (warm pool members) are always FUSE."`
+	Passthrough     bool     `toml:"passthrough" comment:"Use FUSE passthrough (kernel >= 6.9) so reads of local blobs bypass the daemon."`
+	NoOpen          bool     `toml:"no_open" comment:"Kernel open caching: no FUSE round trip per open (warm small-file reads near native), but no passthrough and\na page cache per view (N containers on one root cache each file N times). Off by default."`
+	EntryTimeout    Duration `toml:"entry_timeout" comment:"How long the kernel caches names; objects never change, so long is safe."`
+	AttrTimeout     Duration `toml:"attr_timeout" comment:"How long the kernel caches attributes."`
+	ColdReadAheadMB int64    `toml:"cold_read_ahead_mb" comment:"When a kernel view is mounted while its image is not in the page cache (caches are cold: after a\nreboot, or under memory pressure), read ahead the data of its files in the background, in tree order (the\norder find, grep -r and compilers walk it), up to this many MiB per view, so that the container's first\npass reads from memory. Costs disk reads and page cache (which the kernel reclaims) for files it may never\nread; warm mounts cost nothing. 0 turns it off."`
+	Layering        string   `toml:"layering" comment:"How a kernel view enters the container's overlay: 'direct' (its EROFS image is the overlay's top lower\nlayer and the object store its data-only layer; metacopy=on, redirect_dir=on, trusted xattrs) or 'nested'\n(the view's own overlay is the top lower layer). Snapshots over very many layers, and snapshotter mount\noptions with userxattr, metacopy or redirect_dir, get nested views either way."`
 }
 
 // MaintenanceConfig schedules background upkeep.
@@ -113,11 +114,12 @@ func DefaultConfig() *Config {
 			DefaultOwner:   "0:0",
 		},
 		Views: ViewsConfig{
-			Mode:         "auto",
-			Layering:     "direct",
-			Passthrough:  true,
-			EntryTimeout: Duration(time.Hour),
-			AttrTimeout:  Duration(time.Hour),
+			Mode:            "auto",
+			Layering:        "direct",
+			ColdReadAheadMB: 256,
+			Passthrough:     true,
+			EntryTimeout:    Duration(time.Hour),
+			AttrTimeout:     Duration(time.Hour),
 		},
 		Maintenance: MaintenanceConfig{
 			ForkSweepInterval: Duration(time.Minute),
@@ -186,6 +188,9 @@ func (c *Config) Validate() error {
 	case "", ModeAuto, ModeKernel, ModeFUSE:
 	default:
 		return fmt.Errorf("config: views.mode %q: want %q, %q or %q", c.Views.Mode, ModeAuto, ModeKernel, ModeFUSE)
+	}
+	if c.Views.ColdReadAheadMB < 0 {
+		return fmt.Errorf("config: views.cold_read_ahead_mb %d: want 0 (off) or more", c.Views.ColdReadAheadMB)
 	}
 	switch c.Views.Layering {
 	case "", snapshotter.LayeringDirect, snapshotter.LayeringNested:

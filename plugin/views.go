@@ -87,6 +87,7 @@ func NewViewHost(store *casstore.Store, cfg ViewsConfig, root string) (*ViewHost
 	if err != nil {
 		return nil, err
 	}
+	k.ColdReadAhead = cfg.ColdReadAheadMB << 20
 	h.kernel = k
 	return h, nil
 }
@@ -323,6 +324,9 @@ func (h *ViewHost) ImageLayer(dir string) (string, bool, error) {
 // cannot outlive this process anyway, and a detached mount leaves the mount table now.
 // Kernel views stay mounted: they need no process, and the next start adopts them.
 func (h *ViewHost) Close(ctx context.Context) error {
+	if h.kernel != nil {
+		h.kernel.Close()
+	}
 	h.mu.Lock()
 	dirs := make([]string, 0, len(h.views))
 	for d := range h.views {
@@ -369,6 +373,10 @@ var (
 		"Tree objects that kernel view image builds read from the store (the others were decoded before).", nil, nil)
 	descTreesWarmed = prometheus.NewDesc("tidepool_views_trees_warmed_total",
 		"Tree objects decoded at start from the roots of the kernel views shown last.", nil, nil)
+	descColdReadAheads = prometheus.NewDesc("tidepool_views_cold_read_aheads_total",
+		"Kernel views mounted onto cold caches (their image was not in the page cache) whose files' data was read ahead.", nil, nil)
+	descColdReadAheadBytes = prometheus.NewDesc("tidepool_views_cold_read_ahead_bytes_total",
+		"Bytes of objects read ahead for kernel views mounted onto cold caches (views.cold_read_ahead_mb).", nil, nil)
 )
 
 func (c statsCollector) Describe(ch chan<- *prometheus.Desc) {
@@ -383,6 +391,8 @@ func (c statsCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- descImageDerived
 	ch <- descTreesRead
 	ch <- descTreesWarmed
+	ch <- descColdReadAheads
+	ch <- descColdReadAheadBytes
 }
 
 func (c statsCollector) Collect(ch chan<- prometheus.Metric) {
@@ -418,4 +428,6 @@ func (c statsCollector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(descImageDerived, prometheus.CounterValue, float64(ks.Derived.Load()))
 	ch <- prometheus.MustNewConstMetric(descTreesRead, prometheus.CounterValue, float64(ks.TreesRead.Load()))
 	ch <- prometheus.MustNewConstMetric(descTreesWarmed, prometheus.CounterValue, float64(ks.TreesWarmed.Load()))
+	ch <- prometheus.MustNewConstMetric(descColdReadAheads, prometheus.CounterValue, float64(ks.ColdReadAheads.Load()))
+	ch <- prometheus.MustNewConstMetric(descColdReadAheadBytes, prometheus.CounterValue, float64(ks.ColdReadAheadBytes.Load()))
 }

@@ -197,6 +197,77 @@ func TestKernelViewForAnotherOwner(t *testing.T) {
 	s.C.LeakCheck(t)
 }
 
+// TestKernelViewColdReadAhead: a container whose kernel view is mounted onto cold
+// caches (dropped first, as after a reboot) reads its files whole while tidepoold reads
+// their objects ahead, once, all of them (within views.cold_read_ahead_mb); a view
+// mounted onto warm caches reads nothing ahead, and views.cold_read_ahead_mb = 0
+// turns it off.
+func TestKernelViewColdReadAhead(t *testing.T) {
+	requireKernelViews(t)
+	s := stack.Start(t, stack.Options{Metrics: true})
+	s.C.ImportImage(t, imagebuild.BusyboxArchive(t).Path, imagebuild.BusyboxRef, "tidepool")
+	files := map[string]string{}
+	var all []string
+	size := 0
+	for i := range 40 {
+		p := fmt.Sprintf("src/d%d/f%02d.txt", i%4, i)
+		files[p] = strings.Repeat(fmt.Sprintf("%d ", i), 8000+i*100)
+		all = append(all, p)
+		size += len(files[p])
+	}
+	sort.Strings(all)
+	var cat strings.Builder
+	for _, p := range all {
+		cat.WriteString(files[p])
+	}
+	want := fmt.Sprintf("%x", md5.Sum([]byte(cat.String())))
+	root := s.Ingest(t, writeTree(t, files))
+	script := "cd /app && find src -type f | sort | xargs cat | md5sum | cut -d' ' -f1"
+	run := func(id string) {
+		t.Helper()
+		if out := strings.TrimSpace(runRm(t, s, id, forkLabels(root, "/app", binding.LabelDiscard+"=true"), imagebuild.BusyboxRef, "sh", "-c", script)); out != want {
+			t.Fatalf("%s: the files read %s, want %s", id, out, want)
+		}
+	}
+	dropCaches := func() {
+		t.Helper()
+		if err := os.WriteFile("/proc/sys/vm/drop_caches", []byte("3\n"), 0o200); err != nil {
+			t.Fatal(err)
+		}
+	}
+	aheads := func() (float64, float64) {
+		return s.Metric(t, "tidepool_views_cold_read_aheads_total"), s.Metric(t, "tidepool_views_cold_read_ahead_bytes_total")
+	}
+	run("warm-build") // builds the image: cached, so warm
+	if n, _ := aheads(); n != 0 {
+		t.Fatalf("a view mounted right after its image was built read ahead %v times", n)
+	}
+	dropCaches()
+	run("cold")
+	deadline := time.Now().Add(30 * time.Second)
+	n, bytes := aheads()
+	for n != 1 && time.Now().Before(deadline) {
+		time.Sleep(50 * time.Millisecond)
+		n, bytes = aheads()
+	}
+	if n != 1 || bytes != float64(size) {
+		t.Fatalf("after a view mounted onto cold caches: %v read-aheads of %v bytes, want 1 of %d", n, bytes, size)
+	}
+	run("warm")
+	if n, _ := aheads(); n != 1 {
+		t.Fatalf("a view mounted onto warm caches read ahead: %v read-aheads, want 1", n)
+	}
+	waitViewsReleased(t, s)
+	s.RestartDaemonWith(t, "views.cold_read_ahead_mb = 0")
+	dropCaches()
+	run("cold-off")
+	if n, _ := aheads(); n != 0 {
+		t.Fatalf("views.cold_read_ahead_mb = 0: %v read-aheads", n)
+	}
+	waitViewsReleased(t, s)
+	s.C.LeakCheck(t)
+}
+
 // TestKernelViewPreparedOnArrival: roots reach containers with their kernel view
 // prepared. A container's commit (its fork's next root) and a root forked through
 // tidepoold (as `tidepool fork` and `tidepool pull --fork` do), also right after a
