@@ -180,7 +180,11 @@ func (od *objDirs) readAhead(h casstore.Hash) (int64, error) {
 	if err != nil || dirfd < 0 {
 		return -1, err
 	}
-	fd, err := unix.Openat(dirfd, h.String()[2:], unix.O_RDONLY|unix.O_CLOEXEC|unix.O_NOFOLLOW|unix.O_NONBLOCK|unix.O_NOATIME, 0)
+	const flags = unix.O_RDONLY | unix.O_CLOEXEC | unix.O_NOFOLLOW | unix.O_NONBLOCK
+	fd, err := unix.Openat(dirfd, h.String()[2:], flags|unix.O_NOATIME, 0)
+	if errors.Is(err, unix.EPERM) { // O_NOATIME needs the file's owner (or CAP_FOWNER)
+		fd, err = unix.Openat(dirfd, h.String()[2:], flags, 0)
+	}
 	if errors.Is(err, unix.ENOENT) {
 		return -1, nil
 	}
