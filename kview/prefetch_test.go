@@ -5,9 +5,6 @@ import (
 	"os"
 	"path/filepath"
 	"testing"
-	"time"
-
-	"golang.org/x/sys/unix"
 
 	"github.com/tidepool-dev/tidepool/casstore/casstoretest"
 )
@@ -31,31 +28,7 @@ func TestPrefetchImage(t *testing.T) {
 	if err := os.WriteFile(img, buildImage(t, s, Spec{Root: root}), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	f, err := os.Open(img)
-	if err != nil {
-		t.Fatal(err)
-	}
-	// Clean pages can be dropped: sync them, then drop them.
-	if err := f.Sync(); err != nil {
-		t.Fatal(err)
-	}
-	if err := unix.Fadvise(int(f.Fd()), 0, 0, unix.FADV_DONTNEED); err != nil {
-		t.Fatal(err)
-	}
-	f.Close()
-	if in, total := resident(t, img); in == total {
-		t.Skipf("could not drop the image's %d pages from the page cache", total)
-	}
+	evict(t, img)
 	prefetchImage(context.Background(), img)
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		in, total := resident(t, img)
-		if in == total {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("%d of the image's %d pages in the page cache 10 s after prefetchImage", in, total)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+	waitResident(t, img)
 }

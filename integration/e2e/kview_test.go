@@ -31,6 +31,21 @@ func requireKernelViews(t *testing.T) {
 	}
 }
 
+// catSum is the md5 (hex) of the files' contents concatenated in path order: what
+// `find | sort | xargs cat | md5sum` prints in a container that has them.
+func catSum(files map[string]string) string {
+	paths := make([]string, 0, len(files))
+	for p := range files {
+		paths = append(paths, p)
+	}
+	sort.Strings(paths)
+	h := md5.New()
+	for _, p := range paths {
+		h.Write([]byte(files[p]))
+	}
+	return fmt.Sprintf("%x", h.Sum(nil))
+}
+
 // TestContainersSurviveDaemonKill: containers on forks of one tree read their whole
 // fork and write files in a loop while tidepoold is SIGKILLed and restarted twice.
 // Kernel views need no process, so no read or write may fail; the restarted daemon
@@ -48,11 +63,7 @@ func TestContainersSurviveDaemonKill(t *testing.T) {
 		all = append(all, p)
 	}
 	sort.Strings(all)
-	var cat strings.Builder
-	for _, p := range all {
-		cat.WriteString(files[p])
-	}
-	sum := fmt.Sprintf("%x", md5.Sum([]byte(cat.String())))
+	sum := catSum(files)
 	root := s.Ingest(t, writeTree(t, files))
 
 	const n, rounds = 20, 30
@@ -207,20 +218,13 @@ func TestKernelViewColdReadAhead(t *testing.T) {
 	s := stack.Start(t, stack.Options{Metrics: true})
 	s.C.ImportImage(t, imagebuild.BusyboxArchive(t).Path, imagebuild.BusyboxRef, "tidepool")
 	files := map[string]string{}
-	var all []string
 	size := 0
 	for i := range 40 {
 		p := fmt.Sprintf("src/d%d/f%02d.txt", i%4, i)
 		files[p] = strings.Repeat(fmt.Sprintf("%d ", i), 8000+i*100)
-		all = append(all, p)
 		size += len(files[p])
 	}
-	sort.Strings(all)
-	var cat strings.Builder
-	for _, p := range all {
-		cat.WriteString(files[p])
-	}
-	want := fmt.Sprintf("%x", md5.Sum([]byte(cat.String())))
+	want := catSum(files)
 	root := s.Ingest(t, writeTree(t, files))
 	script := "cd /app && find src -type f | sort | xargs cat | md5sum | cut -d' ' -f1"
 	run := func(id string) {
