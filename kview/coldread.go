@@ -42,6 +42,12 @@ import (
 // disk's queue busy while each worker waits on an object's inode.
 const coldPrefetchWorkers = 4
 
+// coldReadAheadsAtOnce is how many views' read-aheads run at once on a host; more
+// wait their turn. A host that restarts many containers on cold caches (after a
+// reboot) thus keeps a bounded number of reads queued at the disk, the views mounted
+// first served first; views of trees that share objects find them cached by then.
+const coldReadAheadsAtOnce = 2
+
 // imageCold reports whether fewer than half the pages of the image file at img are
 // in the page cache.
 func imageCold(img string) (bool, error) {
@@ -85,14 +91,17 @@ type coldReader struct {
 	stop  context.CancelFunc
 	wg    sync.WaitGroup
 
+	slots chan struct{} // one per read-ahead running (coldReadAheadsAtOnce)
+
 	mu      sync.Mutex
-	running map[string]bool
+	running map[string]bool // keys started, running or waiting for a slot
 	closed  bool
 }
 
 func newColdReader(store *casstore.Store, stats *Stats) *coldReader {
 	ctx, stop := context.WithCancel(context.Background())
-	return &coldReader{store: store, stats: stats, ctx: ctx, stop: stop, running: map[string]bool{}}
+	return &coldReader{store: store, stats: stats, ctx: ctx, stop: stop, running: map[string]bool{},
+		slots: make(chan struct{}, coldReadAheadsAtOnce)}
 }
 
 // start reads ahead, in the background, the objects listed in list (an image's
@@ -114,6 +123,12 @@ func (r *coldReader) start(ctx context.Context, key, list string, budget int64) 
 			delete(r.running, key)
 			r.mu.Unlock()
 		}()
+		select {
+		case r.slots <- struct{}{}:
+			defer func() { <-r.slots }()
+		case <-r.ctx.Done():
+			return
+		}
 		start := time.Now()
 		objects, bytes, err := r.read(r.ctx, list, budget)
 		r.stats.ColdReadAheads.Add(1)

@@ -196,3 +196,42 @@ func TestMountColdReadAhead(t *testing.T) {
 		t.Fatalf("%d read-aheads after a third mount with the image cached, want 1", n)
 	}
 }
+
+// TestColdReadAheadsTakeTurns: no more than coldReadAheadsAtOnce read-aheads run at
+// once; another waits for a turn, and closing the reader drops the waiting ones.
+func TestColdReadAheadsTakeTurns(t *testing.T) {
+	s := casstoretest.NewStore(t)
+	list := writeList(t, bigObjects(t, s, 2)...)
+	stats := &Stats{}
+	r := newColdReader(s, stats)
+	for range coldReadAheadsAtOnce { // as if that many ran
+		r.slots <- struct{}{}
+	}
+	r.start(context.Background(), "a", list, 1<<40)
+	r.start(context.Background(), "a", list, 1<<40) // a read-ahead of a is waiting: nothing more
+	time.Sleep(100 * time.Millisecond)
+	if n := stats.ColdReadAheads.Load(); n != 0 {
+		t.Fatalf("%d read-aheads ran while every turn was taken", n)
+	}
+	<-r.slots // one ends
+	deadline := time.Now().Add(10 * time.Second)
+	for stats.ColdReadAheads.Load() != 1 {
+		if time.Now().After(deadline) {
+			t.Fatal("a waiting read-ahead did not run when a turn came free")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if got, want := stats.ColdReadAheadBytes.Load(), int64(2*(64<<10/10*9)); got != want {
+		t.Fatalf("read ahead %d bytes, want %d (one read-ahead of a)", got, want)
+	}
+	r.slots <- struct{}{} // every turn taken again
+	r.start(context.Background(), "b", list, 1<<40)
+	r.close() // drops b, which waits, and returns
+	if n := stats.ColdReadAheads.Load(); n != 1 {
+		t.Fatalf("%d read-aheads after close, want 1", n)
+	}
+	r.start(context.Background(), "c", list, 1<<40) // closed: nothing starts
+	if n := stats.ColdReadAheads.Load(); n != 1 {
+		t.Fatalf("%d read-aheads after a start on a closed reader, want 1", n)
+	}
+}
