@@ -48,33 +48,38 @@ const coldPrefetchWorkers = 4
 // first served first; views of trees that share objects find them cached by then.
 const coldReadAheadsAtOnce = 2
 
-// imageCold reports whether fewer than half the pages of the image file at img are
+// imageCold reports whether fewer than half the pages of the open image file f are
 // in the page cache.
-func imageCold(img string) (bool, error) {
-	in, total, err := residentPages(img)
+func imageCold(f *os.File) (bool, error) {
+	in, total, err := residentFile(f)
 	return in*2 < total, err
 }
 
-// residentPages counts the pages of the file at p that are in the page cache
-// (mincore over a mapping of it).
+// residentPages counts the pages of the file at p that are in the page cache.
 func residentPages(p string) (in, total int, err error) {
 	f, err := os.Open(p)
 	if err != nil {
 		return 0, 0, err
 	}
 	defer f.Close()
+	return residentFile(f)
+}
+
+// residentFile counts the pages of the open file f that are in the page cache
+// (mincore over a mapping of it).
+func residentFile(f *os.File) (in, total int, err error) {
 	st, err := f.Stat()
 	if err != nil || st.Size() == 0 {
 		return 0, 0, err
 	}
 	m, err := unix.Mmap(int(f.Fd()), 0, int(st.Size()), unix.PROT_READ, unix.MAP_SHARED)
 	if err != nil {
-		return 0, 0, fmt.Errorf("map %s: %w", p, err)
+		return 0, 0, fmt.Errorf("map %s: %w", f.Name(), err)
 	}
 	defer unix.Munmap(m)
 	vec := make([]byte, (len(m)+os.Getpagesize()-1)/os.Getpagesize())
 	if _, _, errno := unix.Syscall(unix.SYS_MINCORE, uintptr(unsafe.Pointer(&m[0])), uintptr(len(m)), uintptr(unsafe.Pointer(&vec[0]))); errno != 0 {
-		return 0, 0, fmt.Errorf("mincore %s: %w", p, errno)
+		return 0, 0, fmt.Errorf("mincore %s: %w", f.Name(), errno)
 	}
 	for _, v := range vec {
 		in += int(v & 1)

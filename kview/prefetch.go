@@ -2,6 +2,7 @@ package kview
 
 import (
 	"context"
+	"os"
 
 	"github.com/containerd/log"
 	"golang.org/x/sys/unix"
@@ -24,17 +25,18 @@ import (
 // It reports whether the image was cold: fewer than half its pages were cached
 // before it asked for them (coldread.go).
 func prefetchImage(ctx context.Context, img string) (cold bool) {
-	cold, err := imageCold(img)
+	l := log.G(ctx).WithField("image", img)
+	f, err := os.OpenFile(img, os.O_RDONLY|unix.O_NOFOLLOW, 0)
 	if err != nil {
-		log.G(ctx).WithError(err).WithField("image", img).Debug("could not tell whether a kernel view image is cached")
+		l.WithError(err).Debug("could not prefetch a kernel view image")
+		return false
 	}
-	fd, err := unix.Open(img, unix.O_RDONLY|unix.O_CLOEXEC|unix.O_NOFOLLOW, 0)
-	if err == nil {
-		err = unix.Fadvise(fd, 0, 0, unix.FADV_WILLNEED)
-		unix.Close(fd)
+	defer f.Close()
+	if cold, err = imageCold(f); err != nil {
+		l.WithError(err).Debug("could not tell whether a kernel view image is cached")
 	}
-	if err != nil {
-		log.G(ctx).WithError(err).WithField("image", img).Debug("could not prefetch a kernel view image")
+	if err := unix.Fadvise(int(f.Fd()), 0, 0, unix.FADV_WILLNEED); err != nil {
+		l.WithError(err).Debug("could not prefetch a kernel view image")
 	}
 	return cold
 }
