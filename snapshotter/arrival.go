@@ -56,6 +56,7 @@ func shapeOf(spec ViewSpec) viewShape { return viewShape{spec.Prefix, spec.UID, 
 // also saves the recent shapes (off the create path that records them).
 type arrivals struct {
 	views  ViewHost
+	m      *Metrics
 	queue  chan ViewSpec
 	save   chan struct{} // a nudge to the worker: recent changed
 	ctx    context.Context
@@ -68,9 +69,9 @@ type arrivals struct {
 	saved  string      // where recent is kept ("": nowhere)
 }
 
-func newArrivals(ctx context.Context, views ViewHost, saved string) *arrivals {
+func newArrivals(ctx context.Context, views ViewHost, m *Metrics, saved string) *arrivals {
 	ctx, cancel := context.WithCancel(log.WithLogger(context.WithoutCancel(ctx), log.G(ctx).WithField("component", "view-arrivals")))
-	a := &arrivals{views: views, queue: make(chan ViewSpec, arrivalQueue), save: make(chan struct{}, 1),
+	a := &arrivals{views: views, m: m, queue: make(chan ViewSpec, arrivalQueue), save: make(chan struct{}, 1),
 		ctx: ctx, cancel: cancel, done: make(chan struct{}), saved: saved}
 	a.load()
 	go a.run()
@@ -136,9 +137,14 @@ func (a *arrivals) run() {
 		case <-a.save:
 			a.saveRecent()
 		case spec := <-a.queue:
-			if err := a.views.Prebuild(a.ctx, spec); err != nil && a.ctx.Err() == nil {
+			err := a.views.Prebuild(a.ctx, spec)
+			if err != nil && a.ctx.Err() == nil {
 				log.G(a.ctx).WithError(err).WithField("root", spec.Root.Short()).WithField("prefix", spec.Prefix).Debug("view of an arrived root not prepared")
 			}
+			if err == nil {
+				a.m.viewsPrepared.Inc()
+			}
+			a.m.viewsPending.Dec()
 		}
 	}
 }
@@ -171,11 +177,25 @@ func (a *arrivals) seen(spec ViewSpec) {
 // its tree.
 func (a *arrivals) committed(spec ViewSpec) {
 	a.seen(spec)
+	if !spec.Root.IsZero() {
+		a.m.rootsArrived.WithLabelValues(arrivedViaCommit).Inc()
+	}
 	a.enqueue(spec)
 }
 
+// How a root arrived (the via label of tidepool_snapshotter_roots_arrived_total).
+const (
+	arrivedViaCommit = "commit" // a container's commit
+	arrivedViaAPI    = "api"    // a fork made or moved through the API, a command's root
+	arrivedViaSpool  = "spool"  // a command's root recorded while no tidepoold ran
+)
+
 // arrived prepares views of root in the shapes of recent views.
-func (a *arrivals) arrived(root casstore.Hash) {
+func (a *arrivals) arrived(root casstore.Hash, via string) {
+	if root.IsZero() {
+		return
+	}
+	a.m.rootsArrived.WithLabelValues(via).Inc()
 	a.mu.Lock()
 	shapes := append([]viewShape(nil), a.recent...)
 	a.mu.Unlock()
@@ -188,9 +208,11 @@ func (a *arrivals) enqueue(spec ViewSpec) {
 	if spec.Root.IsZero() {
 		return
 	}
+	a.m.viewsPending.Inc()
 	select {
 	case a.queue <- spec:
 	default:
+		a.m.viewsPending.Dec()
 		log.G(a.ctx).WithField("root", spec.Root.Short()).Debug("view preparation queue full; the root's first container builds its view")
 	}
 }
@@ -206,4 +228,13 @@ func (a *arrivals) close() {
 // RootArrived tells the snapshotter of a root that became a fork's (a fork made or
 // moved other than by a container's commit), so that it prepares its views in the
 // background for the workdirs and owners of recent views.
-func (s *Snapshotter) RootArrived(root casstore.Hash) { s.arrivals.arrived(root) }
+func (s *Snapshotter) RootArrived(root casstore.Hash) { s.arrivals.arrived(root, arrivedViaAPI) }
+
+// RootsRecorded tells the snapshotter of roots a command put in the store while no
+// tidepoold ran (package arrivalspool), newest first: they are prepared as roots
+// that arrive are, once the start-up warm-up is done.
+func (s *Snapshotter) RootsRecorded(roots []casstore.Hash) {
+	for _, r := range roots {
+		s.arrivals.arrived(r, arrivedViaSpool)
+	}
+}

@@ -8,6 +8,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+
 	"github.com/tidepool-dev/tidepool/casstore"
 )
 
@@ -65,13 +68,13 @@ func shapeSpec(prefix string, id uint32) ViewSpec { return ViewSpec{Prefix: pref
 // recentViewShapes views, most recent first; a commit for exactly its own.
 func TestArrivalsShapes(t *testing.T) {
 	rec := &prebuildRecorder{}
-	a := newArrivals(context.Background(), rec, "")
+	a := newArrivals(context.Background(), rec, newMetrics(), "")
 	defer a.close()
 	for _, s := range []ViewSpec{shapeSpec("a", 1), shapeSpec("b", 1), shapeSpec("a", 1), shapeSpec("a", 2), shapeSpec("c", 1), shapeSpec("d", 1)} {
 		a.seen(s)
 	}
 	root := casstore.Sum([]byte("root"))
-	a.arrived(root)
+	a.arrived(root, arrivedViaAPI)
 	got := rec.wait(t, recentViewShapes)
 	rec.mu.Lock()
 	if len(rec.warm) != 1 || rec.warm[0] != 0 {
@@ -90,9 +93,38 @@ func TestArrivalsShapes(t *testing.T) {
 	if got := rec.wait(t, recentViewShapes+1)[recentViewShapes]; got != (ViewSpec{Root: next, Prefix: "e", UID: 7, GID: 8}) {
 		t.Errorf("commit's prebuild: %+v", got)
 	}
-	a.arrived(casstore.Hash{}) // no root: nothing
+	a.arrived(casstore.Hash{}, arrivedViaAPI) // no root: nothing
 	if a.recent[0] != (viewShape{"e", 7, 8}) || len(a.recent) != recentViewShapes {
 		t.Errorf("recent shapes after a commit: %+v", a.recent)
+	}
+	// Roots recorded while no tidepoold ran are prepared as those told are.
+	spooled := casstore.Sum([]byte("spooled"))
+	a.arrived(spooled, arrivedViaSpool)
+	if got := rec.wait(t, 2*recentViewShapes+1)[recentViewShapes+1]; got != (ViewSpec{Root: spooled, Prefix: "e", UID: 7, GID: 8}) {
+		t.Errorf("a recorded root's first prebuild: %+v", got)
+	}
+	m := a.m
+	for via, want := range map[string]float64{arrivedViaAPI: 1, arrivedViaCommit: 1, arrivedViaSpool: 1} {
+		if got := testutil.ToFloat64(m.rootsArrived.WithLabelValues(via)); got != want {
+			t.Errorf("roots arrived via %s: %v, want %v", via, got, want)
+		}
+	}
+	waitGauge(t, m.viewsPending, 0)
+	if got := testutil.ToFloat64(m.viewsPrepared); got != 2*recentViewShapes+1 {
+		t.Errorf("views prepared: %v, want %v", got, 2*recentViewShapes+1)
+	}
+}
+
+// waitGauge waits for g to read want (the worker counts a prebuild done just after
+// it returns).
+func waitGauge(t *testing.T, g prometheus.Gauge, want float64) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for testutil.ToFloat64(g) != want {
+		if time.Now().After(deadline) {
+			t.Fatalf("gauge %v, want %v", testutil.ToFloat64(g), want)
+		}
+		time.Sleep(time.Millisecond)
 	}
 }
 
@@ -100,7 +132,7 @@ func TestArrivalsShapes(t *testing.T) {
 // request that told of the root, and close cancels a build under way.
 func TestArrivalsBounded(t *testing.T) {
 	rec := &prebuildRecorder{block: make(chan struct{})}
-	a := newArrivals(context.Background(), rec, "")
+	a := newArrivals(context.Background(), rec, newMetrics(), "")
 	for i := 0; i < arrivalQueue*2; i++ {
 		spec := shapeSpec("w", 1)
 		spec.Root = casstore.Sum([]byte{byte(i), byte(i >> 8)})
@@ -116,6 +148,11 @@ func TestArrivalsBounded(t *testing.T) {
 	if n := len(rec.specs); n != 0 {
 		t.Fatalf("%d builds finished, want none", n)
 	}
+	// The dropped ones were never pending; the queued ones stay counted as pending
+	// only while the worker runs (a closed one takes nothing more).
+	if got := testutil.ToFloat64(a.m.viewsPending); got > arrivalQueue+1 {
+		t.Fatalf("%v views pending, more than the queue holds", got)
+	}
 }
 
 // TestArrivalsShapesSaved: the recent shapes outlive the process, so a root that
@@ -123,7 +160,7 @@ func TestArrivalsBounded(t *testing.T) {
 // label could not give, costs only those shapes.
 func TestArrivalsShapesSaved(t *testing.T) {
 	saved := filepath.Join(t.TempDir(), "view-shapes.json")
-	a := newArrivals(context.Background(), &prebuildRecorder{}, saved)
+	a := newArrivals(context.Background(), &prebuildRecorder{}, newMetrics(), saved)
 	a.seen(shapeSpec("app", 1000))
 	a.seen(shapeSpec("src/repo", 0))
 	a.close()
@@ -131,9 +168,9 @@ func TestArrivalsShapesSaved(t *testing.T) {
 		t.Fatalf("saved shapes: %v, %v", st, err)
 	}
 	rec := &prebuildRecorder{}
-	b := newArrivals(context.Background(), rec, saved)
+	b := newArrivals(context.Background(), rec, newMetrics(), saved)
 	root := casstore.Sum([]byte("after restart"))
-	b.arrived(root)
+	b.arrived(root, arrivedViaAPI)
 	got := rec.wait(t, 2)
 	b.close()
 	for i, want := range []ViewSpec{shapeSpec("src/repo", 0), shapeSpec("app", 1000)} {
@@ -148,8 +185,8 @@ func TestArrivalsShapesSaved(t *testing.T) {
 			t.Fatal(err)
 		}
 		rec := &prebuildRecorder{}
-		c := newArrivals(context.Background(), rec, saved)
-		c.arrived(root)
+		c := newArrivals(context.Background(), rec, newMetrics(), saved)
+		c.arrived(root, arrivedViaAPI)
 		want := 0
 		if content[0] == '[' {
 			want = 1 // only "ok"

@@ -11,6 +11,11 @@ type Metrics struct {
 	// Branches of live snapshots: the whole call, and how long writers were frozen.
 	branchSeconds       prometheus.Histogram
 	branchPausedSeconds prometheus.Histogram
+	// Views of arriving roots (arrival.go): roots by how they were told, views
+	// queued or being prepared, views prepared.
+	rootsArrived  *prometheus.CounterVec
+	viewsPending  prometheus.Gauge
+	viewsPrepared prometheus.Counter
 }
 
 func newMetrics() *Metrics {
@@ -38,6 +43,18 @@ func newMetrics() *Metrics {
 			Help:    "How long a branched snapshot's writers (its container) were frozen.",
 			Buckets: prometheus.ExponentialBuckets(0.0005, 2, 16),
 		}),
+		rootsArrived: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: "tidepool", Subsystem: "snapshotter", Name: "roots_arrived_total",
+			Help: "Roots whose views are prepared in the background, by how they were told: commit (a container's), api (a fork made or moved, a command's root), spool (a command's root recorded while no tidepoold ran).",
+		}, []string{"via"}),
+		viewsPending: prometheus.NewGauge(prometheus.GaugeOpts{
+			Namespace: "tidepool", Subsystem: "snapshotter", Name: "views_preparing",
+			Help: "Views of arrived roots queued or being prepared.",
+		}),
+		viewsPrepared: prometheus.NewCounter(prometheus.CounterOpts{
+			Namespace: "tidepool", Subsystem: "snapshotter", Name: "views_prepared_total",
+			Help: "Views of arrived roots prepared (a kernel view's image built or found cached).",
+		}),
 	}
 }
 
@@ -48,6 +65,9 @@ func (m *Metrics) Describe(ch chan<- *prometheus.Desc) {
 	m.binds.Describe(ch)
 	m.branchSeconds.Describe(ch)
 	m.branchPausedSeconds.Describe(ch)
+	m.rootsArrived.Describe(ch)
+	m.viewsPending.Describe(ch)
+	m.viewsPrepared.Describe(ch)
 }
 
 // Collect implements prometheus.Collector.
@@ -57,4 +77,7 @@ func (m *Metrics) Collect(ch chan<- prometheus.Metric) {
 	m.binds.Collect(ch)
 	m.branchSeconds.Collect(ch)
 	m.branchPausedSeconds.Collect(ch)
+	m.rootsArrived.Collect(ch)
+	m.viewsPending.Collect(ch)
+	m.viewsPrepared.Collect(ch)
 }

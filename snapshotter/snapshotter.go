@@ -137,8 +137,9 @@ func New(ctx context.Context, cfg Config, store *casstore.Store, fk ForkStore, v
 	s := &Snapshotter{
 		root: cfg.Root, ms: ms, overlay: ov, store: store, forks: fk, views: views,
 		defaults: cfg.Defaults, options: options, locks: locker.New(), metrics: newMetrics(),
-		remote: cfg.Remote, direct: direct, arrivals: newArrivals(ctx, views, filepath.Join(cfg.Root, "view-shapes.json")),
+		remote: cfg.Remote, direct: direct,
 	}
+	s.arrivals = newArrivals(ctx, views, s.metrics, filepath.Join(cfg.Root, "view-shapes.json"))
 	s.labelWrites = &groupcommit.Group[context.Context]{Commit: func(apply func(context.Context) error) error {
 		return ms.WithTransaction(context.WithoutCancel(ctx), true, apply)
 	}}

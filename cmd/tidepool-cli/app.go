@@ -13,6 +13,7 @@ import (
 
 	"github.com/tidepool-dev/tidepool/casstore"
 	"github.com/tidepool-dev/tidepool/casstore/forks"
+	"github.com/tidepool-dev/tidepool/internal/arrivalspool"
 	"github.com/tidepool-dev/tidepool/internal/runcmd"
 	"github.com/tidepool-dev/tidepool/localapi"
 )
@@ -145,9 +146,13 @@ func (g storeGuard) Has(h casstore.Hash) (bool, error) {
 
 // announce tells the tidepoold owning this root, if one runs and keeps its objects in
 // the store this command wrote to, of a root the command put there, so that it
-// prepares the root's views in the background (Daemon.RootArrived). The command's
-// work is done either way: a daemon that cannot be told is only logged.
+// prepares the root's views in the background (Daemon.RootArrived). The root is
+// recorded in the arrival spool first and the record dropped once a daemon was told:
+// a daemon that is not running, or cannot be told, prepares the root when it next
+// starts (see package arrivalspool). The command's work is done either way: what
+// fails here is only logged.
 func (a *app) announce(ctx context.Context, root casstore.Hash) {
+	recorded := a.spoolRoot(ctx, root)
 	c, err := a.runningDaemon(ctx)
 	if err != nil || c == nil {
 		return
@@ -162,8 +167,24 @@ func (a *app) announce(ctx context.Context, root casstore.Hash) {
 		err = c.RootArrived(ctx, root)
 	}
 	if err != nil {
-		log.G(ctx).WithError(err).Debug("tidepoold not told of the root; its first container prepares its view")
+		log.G(ctx).WithError(err).Debug("tidepoold not told of the root; its next start prepares its views")
+		return
 	}
+	if recorded {
+		if err := arrivalspool.Remove(a.root, root); err != nil {
+			log.G(ctx).WithError(err).Debug("arrival record of a root tidepoold was told of not removed")
+		}
+	}
+}
+
+// spoolRoot records a root this command put in the store in the arrival spool, for
+// the next tidepoold start; it reports whether it did.
+func (a *app) spoolRoot(ctx context.Context, root casstore.Hash) bool {
+	if err := arrivalspool.Add(a.root, a.storePath(), root); err != nil {
+		log.G(ctx).WithError(err).Debug("root not recorded for the next tidepoold start")
+		return false
+	}
+	return true
 }
 
 // sameDir reports whether two paths name one directory.

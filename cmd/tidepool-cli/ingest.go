@@ -26,7 +26,8 @@ directories kept, exec bit from any x bit, names made valid UTF-8); symlinks are
 as symlink entries unless --lunar-strict, which drops them so that the root equals
 what 'lunar ingest' prints. Nothing is added to the store unless the whole ingest
 succeeds. A tidepoold running on the store is told of the root, so that it prepares
-the root's kernel views in the background.`,
+the root's kernel views in the background; while none runs, the root is recorded in
+ROOT/arrivals and the next tidepoold to start prepares it.`,
 		Args: cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			store, err := a.openStore()

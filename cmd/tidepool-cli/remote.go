@@ -197,6 +197,9 @@ the ref so that ` + "`tidepool push FORK`" + ` pushes back to it.`,
 			if err != nil {
 				return err
 			}
+			if a.db != nil {
+				a.spoolRoot(ctx, root) // made without tidepoold: its next start prepares the root
+			}
 			_, err = fmt.Fprintln(cmd.OutOrStdout(), f.ID)
 			return err
 		},

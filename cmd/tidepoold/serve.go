@@ -23,12 +23,15 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"google.golang.org/grpc"
 
+	"github.com/tidepool-dev/tidepool/casstore"
+	"github.com/tidepool-dev/tidepool/internal/arrivalspool"
 	"github.com/tidepool-dev/tidepool/internal/peercred"
 	"github.com/tidepool-dev/tidepool/localapi/apiserver"
 	"github.com/tidepool-dev/tidepool/localapi/runwire"
 	"github.com/tidepool-dev/tidepool/plugin"
 	"github.com/tidepool-dev/tidepool/pool"
 	"github.com/tidepool-dev/tidepool/snapshotgc"
+	"github.com/tidepool-dev/tidepool/snapshotter"
 )
 
 // shutdownGrace bounds how long in-flight RPCs (a commit on Remove, say) may run after
@@ -157,6 +160,9 @@ func serve(ctx context.Context, cfg *plugin.Config) (retErr error) {
 		return err
 	}
 	defer os.Remove(stateFile)
+	// Only now that a command finds this daemon: a root recorded from here on is told
+	// to it, and one recorded before is in the spool.
+	prepareRecordedRoots(ctx, cfg, c.core.Snapshotter)
 	if _, err := daemon.SdNotify(false, daemon.SdNotifyReady); err != nil {
 		log.G(ctx).WithError(err).Warn("systemd notify failed")
 	}
@@ -197,6 +203,32 @@ func serve(ctx context.Context, cfg *plugin.Config) (retErr error) {
 		cancel()
 	}
 	return retErr
+}
+
+// recordedRoots is how many of the roots recorded while no tidepoold ran (the newest)
+// a starting daemon prepares views of.
+const recordedRoots = 8
+
+// prepareRecordedRoots takes the roots commands put in the store while no tidepoold
+// ran (package arrivalspool) and has the snapshotter prepare their views in the
+// background, as for roots it is told of while it runs.
+func prepareRecordedRoots(ctx context.Context, cfg *plugin.Config, sn *snapshotter.Snapshotter) {
+	recs, skipped, err := arrivalspool.Take(cfg.Root, cfg.StorePath(), recordedRoots)
+	if err != nil {
+		log.G(ctx).WithError(err).Warn("arrival spool not read in full")
+	}
+	if skipped > 0 {
+		log.G(ctx).WithField("skipped", skipped).Info("dropped arrival records of other stores")
+	}
+	if len(recs) == 0 {
+		return
+	}
+	roots := make([]casstore.Hash, len(recs))
+	for i, r := range recs {
+		roots[i] = r.Root
+	}
+	log.G(ctx).WithField("roots", len(roots)).Info("preparing the views of roots put in the store while tidepoold was stopped")
+	sn.RootsRecorded(roots)
 }
 
 // listenUnix listens on a unix socket, replacing a stale socket file but refusing to

@@ -278,8 +278,10 @@ func TestKernelViewColdReadAhead(t *testing.T) {
 // restart, have their images built in the background, for the workdir and owner of
 // the views containers lately had; the containers that then run on them build
 // nothing on their create path; so do roots `tidepool ingest` and `tidepool pull`
-// put in the store (the CLI tells tidepoold). A restarted tidepoold decodes the trees of the roots it
-// showed last, so a new image of one of them reads no tree object.
+// put in the store (the CLI tells tidepoold), and a root ingested while tidepoold was
+// stopped (the CLI records it; tidepoold prepares it when it starts). A restarted
+// tidepoold decodes the trees of the roots it showed last, so a new image of one of
+// them reads no tree object.
 func TestKernelViewPreparedOnArrival(t *testing.T) {
 	requireKernelViews(t)
 	s := stack.Start(t, stack.Options{Metrics: true})
@@ -359,6 +361,42 @@ func TestKernelViewPreparedOnArrival(t *testing.T) {
 	waitImages(7) // for /app and /elsewhere
 	run("pulled", pushed, "/app/web/w.go", "package web\n")
 	waitImages(7)
+	if n := s.Metric(t, "tidepool_snapshotter_roots_arrived_total", `via="api"`); n != 4 {
+		t.Fatalf("%v roots told through the API since the restart, want 4 (an ingest and its fork, an ingest, a pull)", n)
+	}
+
+	// A root ingested while tidepoold is stopped: the CLI records it in the arrival
+	// spool, and tidepoold prepares it when it starts. The record the other store's
+	// ingest left is dropped unused.
+	spool := filepath.Join(s.Root, "arrivals")
+	if ents, _ := os.ReadDir(spool); len(ents) != 0 {
+		t.Fatalf("arrival spool holds %d records, want none (every root was told)", len(ents))
+	}
+	s.MustTidepool(t, "--store", other, "ingest", writeTree(t, map[string]string{"doc/d.go": "package doc\n"}))
+	if ents, _ := os.ReadDir(spool); len(ents) != 1 {
+		t.Fatalf("arrival spool holds %d records, want 1 (the other store's)", len(ents))
+	}
+	waitViewsReleased(t, s)
+	if err := s.Daemon.Stop(); err != nil {
+		t.Fatal(err)
+	}
+	offline := s.Ingest(t, writeTree(t, map[string]string{"tool/t.go": "package tool\n"}))
+	if err := s.Daemon.Start(context.Background()); err != nil {
+		t.Fatalf("start tidepoold: %v\n%s", err, s.Daemon.LogTail(40))
+	}
+	waitImages(2) // for /app and /elsewhere
+	if n := s.Metric(t, "tidepool_snapshotter_roots_arrived_total", `via="spool"`); n != 1 {
+		t.Fatalf("%v roots taken from the arrival spool, want 1", n)
+	}
+	if ents, err := os.ReadDir(spool); err != nil || len(ents) != 0 {
+		t.Fatalf("arrival spool after the start: %d records (%v), want none", len(ents), err)
+	}
+	hits := s.Metric(t, "tidepool_views_image_cache_hits_total")
+	run("ingested-offline", offline, "/app/tool/t.go", "package tool\n")
+	waitImages(2)
+	if got := s.Metric(t, "tidepool_views_image_cache_hits_total"); got <= hits {
+		t.Fatalf("the view of a root ingested while tidepoold was stopped was not found prepared (cache hits %v, then %v)", hits, got)
+	}
 	waitViewsReleased(t, s)
 	s.C.LeakCheck(t)
 }
