@@ -131,19 +131,41 @@ func EncodeTree(entries []Entry) ([]byte, error) {
 // truncated data, unknown modes, unsafe or non-UTF-8 names, duplicates and entries out
 // of order (a second encoding of one logical tree would give it a second hash).
 func DecodeTree(b []byte) (Tree, error) {
-	var t Tree
-	for off := 0; off < len(b); {
+	// First the framing, to size the entries and their names: one allocation for
+	// each instead of one a name and the growth of the slice (a build decodes a
+	// tree object per directory of a tree).
+	n, nameBytes := 0, 0
+	for off := 0; off < len(b); n++ {
 		if len(b)-off < entryHeader {
 			return nil, fmt.Errorf("decode tree: truncated entry header at offset %d (%d bytes left)", off, len(b)-off)
 		}
-		mode := Mode(binary.LittleEndian.Uint32(b[off:]))
 		nameLen := binary.LittleEndian.Uint32(b[off+4:])
 		off += entryHeader
 		if uint64(nameLen)+HashSize > uint64(len(b)-off) {
 			return nil, fmt.Errorf("decode tree: entry at offset %d runs past the end (name length %d, %d bytes left)", off-entryHeader, nameLen, len(b)-off)
 		}
-		name := string(b[off : off+int(nameLen)])
-		off += int(nameLen)
+		off += int(nameLen) + HashSize
+		nameBytes += int(nameLen)
+	}
+	if n == 0 {
+		return nil, nil
+	}
+	var names strings.Builder
+	names.Grow(nameBytes)
+	for off := 0; off < len(b); {
+		nameLen := int(binary.LittleEndian.Uint32(b[off+4:]))
+		names.Write(b[off+entryHeader : off+entryHeader+nameLen])
+		off += entryHeader + nameLen + HashSize
+	}
+	all := names.String()
+	t := make(Tree, 0, n)
+	for off, at := 0, 0; off < len(b); {
+		mode := Mode(binary.LittleEndian.Uint32(b[off:]))
+		nameLen := int(binary.LittleEndian.Uint32(b[off+4:]))
+		off += entryHeader
+		name := all[at : at+nameLen]
+		at += nameLen
+		off += nameLen
 		var h Hash
 		copy(h[:], b[off:off+HashSize])
 		off += HashSize

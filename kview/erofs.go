@@ -434,10 +434,10 @@ func (l *imageLayout) write(w *imageWriter) {
 		w.next(e.chunkPad)
 		switch {
 		case e.layout == layoutChunkBased:
-			for range e.trailing / erofsChunkIndex {
-				c := w.next(erofsChunkIndex)
-				le.PutUint16(c[0:], 0xffff)
-				le.PutUint32(c[4:], 0xffffffff)
+			for left := e.trailing; left > 0; {
+				n := min(left, imageWriteBuffer) // both multiples of erofsChunkIndex
+				fillNullChunks(w.next(n))
+				left -= n
 			}
 		case e.layout == layoutFlatInline && e.mode&0o170000 == 0o040000:
 			l.writeDirents(w, i)
@@ -446,6 +446,19 @@ func (l *imageLayout) write(w *imageWriter) {
 		}
 	}
 	w.padTo(meta + int64(metaBlks)*erofsBlockSize)
+}
+
+// fillNullChunks fills b (a whole number of chunk indexes) with null chunk indexes:
+// no device, block address all ones (a hole).
+func fillNullChunks(b []byte) {
+	if len(b) == 0 {
+		return
+	}
+	binary.LittleEndian.PutUint16(b[0:], 0xffff)
+	binary.LittleEndian.PutUint32(b[4:], 0xffffffff)
+	for done := erofsChunkIndex; done < len(b); done *= 2 {
+		copy(b[done:], b[:done])
+	}
 }
 
 // writeFileXattrs writes a non-empty file's xattr area (fileXattrSize bytes) at b.
