@@ -24,7 +24,9 @@ func newCommitCommand(a *app) *cobra.Command {
 only what changed: whiteouts delete, opaque directories replace, new and copied-up
 files are stored. --prefix is where the tree sits inside the upper (e.g. "app"); changes
 outside it are ignored. The new root is printed on stdout. If --base names a fork, the
-fork is advanced to the new root, provided nobody moved it since it was read.`,
+fork is advanced to the new root, provided nobody moved it since it was read. A
+tidepoold running on the store prepares the new root's kernel views in the background;
+while none runs, the root is recorded in ROOT/arrivals for the next one to start.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			ctx := cmd.Context()
@@ -72,6 +74,12 @@ fork is advanced to the new root, provided nobody moved it since it was read.`,
 				return err
 			}
 			warnSpecial(stderr, st.Special)
+			switch {
+			case target.Fork == nil:
+				a.announce(ctx, root)
+			case a.db != nil:
+				a.spoolRoot(ctx, root) // advanced without tidepoold: its next start prepares the root
+			}
 			if f := target.Fork; f != nil {
 				fmt.Fprintf(stderr, "fork %s: %s -> %s in %s\n", f.ID, target.Root.Short(), root.Short(), time.Since(start).Round(time.Millisecond))
 			} else {
