@@ -150,21 +150,18 @@ func DecodeTree(b []byte) (Tree, error) {
 	if n == 0 {
 		return nil, nil
 	}
+	// Every name is a piece of one string: grown once, the builder never moves
+	// what it holds, so the names taken from it stay valid as it fills.
 	var names strings.Builder
 	names.Grow(nameBytes)
-	for off := 0; off < len(b); {
-		nameLen := int(binary.LittleEndian.Uint32(b[off+4:]))
-		names.Write(b[off+entryHeader : off+entryHeader+nameLen])
-		off += entryHeader + nameLen + HashSize
-	}
-	all := names.String()
 	t := make(Tree, 0, n)
-	for off, at := 0, 0; off < len(b); {
+	for off := 0; off < len(b); {
 		mode := Mode(binary.LittleEndian.Uint32(b[off:]))
 		nameLen := int(binary.LittleEndian.Uint32(b[off+4:]))
 		off += entryHeader
-		name := all[at : at+nameLen]
-		at += nameLen
+		at := names.Len()
+		names.Write(b[off : off+nameLen])
+		name := names.String()[at:]
 		off += nameLen
 		var h Hash
 		copy(h[:], b[off:off+HashSize])

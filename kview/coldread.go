@@ -55,16 +55,6 @@ func imageCold(f *os.File) (bool, error) {
 	return in*2 < total, err
 }
 
-// residentPages counts the pages of the file at p that are in the page cache.
-func residentPages(p string) (in, total int, err error) {
-	f, err := os.Open(p)
-	if err != nil {
-		return 0, 0, err
-	}
-	defer f.Close()
-	return residentFile(f)
-}
-
 // residentFile counts the pages of the open file f that are in the page cache
 // (mincore over a mapping of it).
 func residentFile(f *os.File) (in, total int, err error) {

@@ -9,6 +9,16 @@ import (
 	"github.com/tidepool-dev/tidepool/casstore/casstoretest"
 )
 
+// residentPages counts the pages of the file at p that are in the page cache.
+func residentPages(p string) (in, total int, err error) {
+	f, err := os.Open(p)
+	if err != nil {
+		return 0, 0, err
+	}
+	defer f.Close()
+	return residentFile(f)
+}
+
 // resident counts the pages of the file at p that are in the page cache.
 func resident(t *testing.T, p string) (in, total int) {
 	t.Helper()

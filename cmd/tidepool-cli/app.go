@@ -177,6 +177,15 @@ func (a *app) announce(ctx context.Context, root casstore.Hash) {
 	}
 }
 
+// forkMovedTo records root, which this command made or moved a fork to, for the next
+// tidepoold start if it did so on the fork database itself (no tidepoold ran); through
+// tidepoold's API, the daemon was told by the call.
+func (a *app) forkMovedTo(ctx context.Context, root casstore.Hash) {
+	if a.db != nil && root != casstore.EmptyHash {
+		a.spoolRoot(ctx, root)
+	}
+}
+
 // spoolRoot records a root this command put in the store in the arrival spool, for
 // the next tidepoold start; it reports whether it did.
 func (a *app) spoolRoot(ctx context.Context, root casstore.Hash) bool {

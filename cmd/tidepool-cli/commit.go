@@ -74,11 +74,10 @@ while none runs, the root is recorded in ROOT/arrivals for the next one to start
 				return err
 			}
 			warnSpecial(stderr, st.Special)
-			switch {
-			case target.Fork == nil:
+			if target.Fork == nil {
 				a.announce(ctx, root)
-			case a.db != nil:
-				a.spoolRoot(ctx, root) // advanced without tidepoold: its next start prepares the root
+			} else {
+				a.forkMovedTo(ctx, root)
 			}
 			if f := target.Fork; f != nil {
 				fmt.Fprintf(stderr, "fork %s: %s -> %s in %s\n", f.ID, target.Root.Short(), root.Short(), time.Since(start).Round(time.Millisecond))

@@ -84,9 +84,7 @@ binding, the pause). Continue a branch in a warm pool member with
 				}
 				return err
 			}
-			if a.db != nil && t.Root != casstore.EmptyHash {
-				a.spoolRoot(ctx, t.Root) // made without tidepoold: its next start prepares the root
-			}
+			a.forkMovedTo(ctx, t.Root)
 			fmt.Fprintln(cmd.OutOrStdout(), f.ID)
 			return nil
 		},

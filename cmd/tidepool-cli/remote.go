@@ -197,9 +197,7 @@ the ref so that ` + "`tidepool push FORK`" + ` pushes back to it.`,
 			if err != nil {
 				return err
 			}
-			if a.db != nil {
-				a.spoolRoot(ctx, root) // made without tidepoold: its next start prepares the root
-			}
+			a.forkMovedTo(ctx, root)
 			_, err = fmt.Fprintln(cmd.OutOrStdout(), f.ID)
 			return err
 		},

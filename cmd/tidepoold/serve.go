@@ -23,7 +23,6 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"google.golang.org/grpc"
 
-	"github.com/tidepool-dev/tidepool/casstore"
 	"github.com/tidepool-dev/tidepool/internal/arrivalspool"
 	"github.com/tidepool-dev/tidepool/internal/peercred"
 	"github.com/tidepool-dev/tidepool/localapi/apiserver"
@@ -213,19 +212,15 @@ const recordedRoots = 8
 // ran (package arrivalspool) and has the snapshotter prepare their views in the
 // background, as for roots it is told of while it runs.
 func prepareRecordedRoots(ctx context.Context, cfg *plugin.Config, sn *snapshotter.Snapshotter) {
-	recs, skipped, err := arrivalspool.Take(cfg.Root, cfg.StorePath(), recordedRoots)
+	roots, skipped, err := arrivalspool.Take(cfg.Root, cfg.StorePath(), recordedRoots)
 	if err != nil {
 		log.G(ctx).WithError(err).Warn("arrival spool not read in full")
 	}
 	if skipped > 0 {
 		log.G(ctx).WithField("skipped", skipped).Info("dropped arrival records of other stores")
 	}
-	if len(recs) == 0 {
+	if len(roots) == 0 {
 		return
-	}
-	roots := make([]casstore.Hash, len(recs))
-	for i, r := range recs {
-		roots[i] = r.Root
 	}
 	log.G(ctx).WithField("roots", len(roots)).Info("preparing the views of roots put in the store while tidepoold was stopped")
 	sn.RootsRecorded(roots)

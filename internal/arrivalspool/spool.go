@@ -81,19 +81,13 @@ func Remove(root string, h casstore.Hash) error {
 	return nil
 }
 
-// Record is one root recorded in the spool.
-type Record struct {
-	Root  casstore.Hash
-	Store string    // the store it was put in
-	At    time.Time // when it was recorded
-}
-
-// Take removes every record from the spool and returns those of the store at
-// storeDir, newest first, at most max of them (the newest are the likeliest to be
-// run next; the others' first containers build their views, as without a record).
-// skipped counts the files that were no record of that store (another store, or not
-// a record at all); they are removed too. A spool that does not exist holds nothing.
-func Take(root, storeDir string, max int) (recs []Record, skipped int, err error) {
+// Take removes every record from the spool and returns the roots of those of the
+// store at storeDir, newest first, at most max of them (the newest are the likeliest
+// to be run next; the others' first containers build their views, as without a
+// record). skipped counts the files that were no record of that store (another
+// store, or not a record at all); they are removed too. A spool that does not exist
+// holds nothing.
+func Take(root, storeDir string, max int) (roots []casstore.Hash, skipped int, err error) {
 	dir := Dir(root)
 	ents, err := os.ReadDir(dir)
 	if errors.Is(err, fs.ErrNotExist) {
@@ -106,6 +100,11 @@ func Take(root, storeDir string, max int) (recs []Record, skipped int, err error
 	if err != nil {
 		return nil, 0, fmt.Errorf("arrival spool: store %s: %w", storeDir, err)
 	}
+	type record struct {
+		root casstore.Hash
+		at   time.Time
+	}
+	var recs []record
 	var errs []error
 	drop := func(name string) {
 		if err := os.Remove(filepath.Join(dir, name)); err != nil && !errors.Is(err, fs.ErrNotExist) {
@@ -120,41 +119,42 @@ func Take(root, storeDir string, max int) (recs []Record, skipped int, err error
 			}
 			continue
 		}
-		rec, ok := read(dir, e, store)
+		h, at, ok := read(dir, e, store)
 		drop(name)
 		if !ok {
 			skipped++
 			continue
 		}
-		recs = append(recs, rec)
+		recs = append(recs, record{h, at})
 	}
-	sort.SliceStable(recs, func(i, j int) bool { return recs[i].At.After(recs[j].At) })
-	if len(recs) > max {
-		recs = recs[:max]
+	sort.SliceStable(recs, func(i, j int) bool { return recs[i].at.After(recs[j].at) })
+	for _, r := range recs[:min(max, len(recs))] {
+		roots = append(roots, r.root)
 	}
 	if len(errs) > 0 {
-		return recs, skipped, fmt.Errorf("arrival spool: %w", errors.Join(errs...))
+		return roots, skipped, fmt.Errorf("arrival spool: %w", errors.Join(errs...))
 	}
-	return recs, skipped, nil
+	return roots, skipped, nil
 }
 
-// read reads one spool entry; ok is false unless it is a record of store.
-func read(dir string, e fs.DirEntry, store fs.FileInfo) (Record, bool) {
+// read reads one spool entry: its root and when it was recorded; ok is false unless
+// it is a record of store.
+func read(dir string, e fs.DirEntry, store fs.FileInfo) (h casstore.Hash, at time.Time, ok bool) {
 	h, err := casstore.ParseHash(e.Name())
 	if err != nil || !e.Type().IsRegular() {
-		return Record{}, false
+		return h, at, false
 	}
 	info, err := e.Info()
 	if err != nil || info.Size() > maxStorePath {
-		return Record{}, false
+		return h, at, false
 	}
 	b, err := os.ReadFile(filepath.Join(dir, e.Name()))
 	if err != nil {
-		return Record{}, false
+		return h, at, false
 	}
 	st, err := os.Stat(string(b))
 	if err != nil || !os.SameFile(st, store) {
-		return Record{}, false
+		return h, at, false
 	}
-	return Record{Root: h, Store: string(b), At: info.ModTime()}, true
+	return h, info.ModTime(), true
 }
