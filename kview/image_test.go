@@ -5,13 +5,16 @@ import (
 	"context"
 	"encoding/binary"
 	"errors"
+	"fmt"
 	"io/fs"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 
 	"github.com/containerd/errdefs"
 	"github.com/erofs/go-erofs"
+	"golang.org/x/sys/unix"
 	"lukechampine.com/blake3"
 
 	"github.com/tidepool-dev/tidepool/casstore"
@@ -222,6 +225,84 @@ func TestScanRefusesBadTree(t *testing.T) {
 	notTree := casstoretest.Put(t, s, "not a tree at all")
 	if _, err := Scan(context.Background(), s, Spec{Root: notTree}); err == nil {
 		t.Fatal("scan of a non-tree succeeded")
+	}
+}
+
+// TestScanReadsObjectsWhole covers both ways an object is read (read's single pread
+// into a pooled buffer, and its careful path for anything else): a tree object larger
+// than the buffer scans like a small one, and a tree object whose file is corrupt,
+// truncated, a directory or a FIFO fails the scan with an error that names it, never
+// a wrong image.
+func TestScanReadsObjectsWhole(t *testing.T) {
+	s := casstoretest.NewStore(t)
+	leaves := map[string]casstoretest.Leaf{"link": casstoretest.Link("big/f0000")}
+	for i := range 1000 { // about 1000*(40+45) bytes: past read's 64 KiB buffer
+		leaves[fmt.Sprintf("big/f%04d-%s", i, strings.Repeat("n", 40))] = casstoretest.File(fmt.Sprint(i))
+	}
+	root := casstoretest.Build(t, s, leaves)
+	tree, err := s.ReadTree(root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	big := tree[0].Hash
+	if info, err := os.Stat(s.Path(big)); err != nil || info.Size() <= 64<<10 {
+		t.Fatalf("tree object big: %v, %v: want one larger than 64 KiB", info, err)
+	}
+	tr, err := Scan(context.Background(), s, Spec{Root: root})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if tr.Files != 1000 || tr.TreesRead != 2 {
+		t.Fatalf("scan: %d files, %d trees read; want 1000 and 2", tr.Files, tr.TreesRead)
+	}
+	if n := tr.top.children[1]; n.name != "link" || n.target != "big/f0000" {
+		t.Fatalf("symlink scanned as %q -> %q", n.name, n.target)
+	}
+
+	good, err := os.ReadFile(s.Path(big))
+	if err != nil {
+		t.Fatal(err)
+	}
+	replace := func(t *testing.T, make func(p string) error) {
+		t.Helper()
+		p := s.Path(big)
+		if err := os.Remove(p); err != nil {
+			t.Fatal(err)
+		}
+		if err := make(p); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() {
+			os.RemoveAll(p)
+			if err := os.WriteFile(p, good, 0o600); err != nil {
+				t.Fatal(err)
+			}
+		})
+	}
+	flipped := bytes.Clone(good)
+	flipped[len(flipped)/2] ^= 1
+	for _, c := range []struct {
+		name string
+		make func(p string) error
+		is   func(error) bool
+	}{
+		{"corrupt", func(p string) error { return os.WriteFile(p, flipped, 0o600) },
+			func(err error) bool { var c *casstore.CorruptError; return errors.As(err, &c) }},
+		{"truncated to fit the buffer", func(p string) error { return os.WriteFile(p, good[:1000], 0o600) },
+			func(err error) bool { var c *casstore.CorruptError; return errors.As(err, &c) }},
+		{"a directory", func(p string) error { return os.Mkdir(p, 0o700) }, errdefs.IsDataLoss},
+		{"a FIFO", func(p string) error { return unix.Mkfifo(p, 0o600) }, errdefs.IsDataLoss},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			replace(t, c.make)
+			_, err := Scan(context.Background(), s, Spec{Root: root})
+			if err == nil || !c.is(err) {
+				t.Fatalf("scan over a tree object that is %s: %v", c.name, err)
+			}
+			if !strings.Contains(err.Error(), big.String()) {
+				t.Errorf("error %q does not name the object", err)
+			}
+		})
 	}
 }
 

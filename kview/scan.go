@@ -376,8 +376,16 @@ func (od *objDirs) stat(h casstore.Hash) (int64, bool, error) {
 }
 
 // read returns a whole object of at most max bytes, verified against its name; ok is
-// false if it is not in the store.
-func (od *objDirs) read(h casstore.Hash, max int64) ([]byte, bool, error) {
+// false if it is not in the store. The bytes are in buf (from readBufs) when the
+// object fits there, so the caller must be done with them before it puts buf back.
+//
+// Most objects read here (tree objects, symlink targets) are small, so read first
+// tries one pread into buf and no fstat: a read that returns less than buf holds is
+// the whole of a regular file, and a hash match proves that the bytes are the
+// object (only its bytes hash to its name). Anything else (a bigger object, a
+// mismatch, a read error, a file that is not regular) takes the careful path, which
+// stats the file first and says what is wrong with it.
+func (od *objDirs) read(h casstore.Hash, max int64, buf []byte) ([]byte, bool, error) {
 	fd := -1
 	ok, err := od.lookup(h, func(dirfd int, name string) (err error) {
 		fd, err = unix.Openat(dirfd, name, unix.O_RDONLY|unix.O_CLOEXEC|unix.O_NOFOLLOW|unix.O_NONBLOCK, 0)
@@ -387,6 +395,9 @@ func (od *objDirs) read(h casstore.Hash, max int64) ([]byte, bool, error) {
 		return nil, false, err
 	}
 	defer unix.Close(fd)
+	if n, err := preadOnce(fd, buf); err == nil && n < len(buf) && int64(n) <= max && casstore.Sum(buf[:n]) == h {
+		return buf[:n], true, nil
+	}
 	var st unix.Stat_t
 	if err := unix.Fstat(fd, &st); err != nil {
 		return nil, false, fmt.Errorf("object %s: %w", h, err)
@@ -397,25 +408,57 @@ func (od *objDirs) read(h casstore.Hash, max int64) ([]byte, bool, error) {
 	if st.Size > max {
 		return nil, false, fmt.Errorf("object %s: %d bytes is more than the %d allowed here", h, st.Size, max)
 	}
-	b := make([]byte, st.Size)
-	for off := 0; off < len(b); {
-		n, err := unix.Pread(fd, b[off:], int64(off))
-		if err == unix.EINTR {
-			continue
-		}
-		if err != nil {
-			return nil, false, fmt.Errorf("object %s: read: %w", h, err)
-		}
-		if n == 0 {
-			return nil, false, fmt.Errorf("object %s: shrank while it was read: %w", h, errdefs.ErrDataLoss)
-		}
-		off += n
+	b := buf
+	if st.Size >= int64(len(buf)) {
+		b = make([]byte, st.Size)
+	}
+	b = b[:st.Size]
+	n, err := preadFull(fd, b, 0)
+	if err != nil {
+		return nil, false, fmt.Errorf("object %s: read: %w", h, err)
+	}
+	if n < len(b) {
+		return nil, false, fmt.Errorf("object %s: shrank while it was read: %w", h, errdefs.ErrDataLoss)
 	}
 	if got := casstore.Sum(b); got != h {
 		return nil, false, &casstore.CorruptError{Hash: h, Got: got, Path: path.Join(od.root, h.String()[:2], h.String()[2:])}
 	}
 	return b, true, nil
 }
+
+// preadOnce is one pread from the start of the file (again if interrupted).
+func preadOnce(fd int, b []byte) (int, error) {
+	for {
+		n, err := unix.Pread(fd, b, 0)
+		if err != unix.EINTR {
+			return n, err
+		}
+	}
+}
+
+// preadFull reads into b from off until b is full or the file ends, and returns how
+// many bytes it read.
+func preadFull(fd int, b []byte, off int64) (int, error) {
+	n := 0
+	for n < len(b) {
+		m, err := unix.Pread(fd, b[n:], off+int64(n))
+		if err == unix.EINTR {
+			continue
+		}
+		if err != nil {
+			return n, err
+		}
+		if m == 0 {
+			break
+		}
+		n += m
+	}
+	return n, nil
+}
+
+// readBufs holds the buffers read fills: a build reads an object per directory,
+// and most fit in one.
+var readBufs = sync.Pool{New: func() any { b := make([]byte, 64<<10); return &b }}
 
 // maxTreeObject bounds a tree object read here (as the store does).
 const maxTreeObject = 256 << 20
@@ -424,11 +467,23 @@ const maxTreeObject = 256 << 20
 // the targets of its symlinks.
 func (od *objDirs) scanDir(h casstore.Hash) (*dirScan, error) {
 	ds := &dirScan{}
+	var buf *[]byte // from readBufs, once something is read
+	defer func() {
+		if buf != nil {
+			readBufs.Put(buf)
+		}
+	}()
+	readBuf := func() []byte {
+		if buf == nil {
+			buf = readBufs.Get().(*[]byte)
+		}
+		return *buf
+	}
 	var memoTargets []string
 	if m, ok := od.memo.get(h); ok {
 		ds.tree, memoTargets = m.tree, m.targets
 	} else if h != casstore.EmptyHash {
-		b, ok, err := od.read(h, maxTreeObject)
+		b, ok, err := od.read(h, maxTreeObject, readBuf())
 		if err != nil {
 			return nil, fmt.Errorf("read tree %s: %w", h, err)
 		}
@@ -461,7 +516,7 @@ func (od *objDirs) scanDir(h casstore.Hash) (*dirScan, error) {
 			if ds.targets == nil {
 				ds.targets = make([]string, len(ds.tree))
 			}
-			b, ok, err := od.read(e.Hash, maxSymlinkTarget)
+			b, ok, err := od.read(e.Hash, maxSymlinkTarget, readBuf())
 			if err != nil {
 				return nil, fmt.Errorf("symlink %s: %w", e.Name, err)
 			}
