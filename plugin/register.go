@@ -22,6 +22,14 @@ const PoolPlugin cplugin.Type = "dev.tidepool.pool.v1"
 // ID is the plugin ID of every Tidepool registration, and the snapshotter's name.
 const ID = "tidepool"
 
+// PropertyDeferPools, set in the init context's properties, leaves the pool
+// controller unstarted: tidepoold starts it (pool.Controller.Start) once its
+// snapshotter socket serves and containerd reaches it, since creating or removing a
+// member makes containerd call the snapshotter, and containerd does not retry a
+// snapshot cleanup that failed. Built into containerd, the snapshotter is in the same
+// process and the pools start at once.
+const PropertyDeferPools = "dev.tidepool.pools.deferred"
+
 func init() {
 	registry.Register(&cplugin.Registration{
 		Type:   CorePlugin,
@@ -65,7 +73,9 @@ func init() {
 			if err != nil {
 				return nil, err
 			}
-			ctrl.Start(ic.Context)
+			if ic.Properties[PropertyDeferPools] == "" {
+				ctrl.Start(ic.Context)
+			}
 			return ctrl, nil
 		},
 	})

@@ -43,6 +43,9 @@ After=local-fs.target
 Before=containerd.service
 
 [Service]
+# READY=1 comes once containerd reaches the snapshotter socket again (after a crash its
+# connection may be in reconnect backoff for up to 3 s): a restart returns when
+# containerd can use tidepoold.
 Type=notify
 ExecStartPre=-/sbin/modprobe fuse
 ExecStartPre=-/sbin/modprobe overlay

@@ -51,7 +51,7 @@ func loadPlugins(ctx context.Context, cfg *plugin.Config) (*components, error) {
 	set := cplugin.NewPluginSet()
 	var c components
 	for _, reg := range registry.Graph(func(r *cplugin.Registration) bool { return !plugin.IsTidepool(r) }) {
-		ic := cplugin.NewContext(ctx, set, nil)
+		ic := cplugin.NewContext(ctx, set, map[string]string{plugin.PropertyDeferPools: "1"})
 		ic.Config = cfg
 		p := reg.Init(ic)
 		if err := set.Add(p); err != nil {
@@ -162,6 +162,9 @@ func serve(ctx context.Context, cfg *plugin.Config) (retErr error) {
 	// Only now that a command finds this daemon: a root recorded from here on is told
 	// to it, and one recorded before is in the spool.
 	prepareRecordedRoots(ctx, cfg, c.core.Snapshotter)
+	waitForContainerd(ctx, cfg, c.snapshotter)
+	// Only now: members are containers on this snapshotter (plugin.PropertyDeferPools).
+	c.pools.Start(ctx)
 	if _, err := daemon.SdNotify(false, daemon.SdNotifyReady); err != nil {
 		log.G(ctx).WithError(err).Warn("systemd notify failed")
 	}

@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"bufio"
+	"bytes"
 	"fmt"
 	"os/exec"
 	"path/filepath"
@@ -24,19 +25,21 @@ func timeToFirstByte(b *testing.B, s *stack.Stack, args ...string) (first, total
 	if err != nil {
 		b.Fatal(err)
 	}
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
 	start := time.Now()
 	if err := cmd.Start(); err != nil {
 		b.Fatal(err)
 	}
 	r := bufio.NewReader(out)
 	if _, err := r.ReadByte(); err != nil {
-		cmd.Wait()
-		b.Fatalf("no output from ctr %v: %v\n%s", args, err, s.Daemon.LogTail(20))
+		werr := cmd.Wait()
+		b.Fatalf("no output from ctr %v: %v (ctr: %v)\nctr's stderr: %s\n%s", args, err, werr, stderr.Bytes(), s.Daemon.LogTail(20))
 	}
 	first = time.Since(start)
 	r.WriteTo(discard{})
 	if err := cmd.Wait(); err != nil {
-		b.Fatalf("ctr %v: %v", args, err)
+		b.Fatalf("ctr %v: %v\nctr's stderr: %s", args, err, stderr.Bytes())
 	}
 	return first, time.Since(start)
 }

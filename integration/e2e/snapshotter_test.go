@@ -1,6 +1,7 @@
 package e2e
 
 import (
+	"context"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -8,6 +9,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/tidepool-dev/tidepool/binding"
 	"github.com/tidepool-dev/tidepool/casstore/forks"
@@ -247,6 +249,40 @@ func TestDaemonRestart(t *testing.T) {
 	sort.Strings(names)
 	if len(names) != 2 {
 		t.Errorf("forks after restart: %v", names)
+	}
+	s.C.LeakCheck(t)
+}
+
+// TestReadyMeansContainerdReaches: tidepoold crashed (its socket file left behind), and
+// containerd called it meanwhile, so containerd's connection to the snapshotter waits
+// out a reconnect backoff (1 s, growing to 3 s; calls in it fail at once) when
+// tidepoold comes back. tidepoold says it is ready (systemd's READY=1, which the stack
+// waits for) only once containerd reaches it again: the first `ctr` commands after
+// the restart work, with no retry.
+func TestReadyMeansContainerdReaches(t *testing.T) {
+	s := stack.Start(t, stack.Options{})
+	s.C.ImportImage(t, imagebuild.BusyboxArchive(t).Path, imagebuild.BusyboxRef, "tidepool")
+	runRm(t, s, "before", []string{"--snapshotter", "tidepool"}, imagebuild.BusyboxRef, "true")
+	for i := range 2 {
+		if err := s.Daemon.Kill(); err != nil {
+			t.Fatal(err)
+		}
+		// Every dial finds the dead socket (refused at once): the connection spends
+		// the downtime in backoff, which has grown past a second by the end.
+		for deadline := time.Now().Add(4 * time.Second); time.Now().Before(deadline); time.Sleep(100 * time.Millisecond) {
+			if _, err := s.Ctr("snapshot", "--snapshotter", "tidepool", "ls"); err == nil {
+				t.Fatal("containerd listed tidepool's snapshots while tidepoold was down")
+			}
+		}
+		start := time.Now()
+		if err := s.Daemon.Start(context.Background()); err != nil {
+			t.Fatalf("start tidepoold: %v", err)
+		}
+		t.Logf("restart %d: tidepoold ready in %v", i, time.Since(start).Round(time.Millisecond))
+		if out, err := s.Ctr("snapshot", "--snapshotter", "tidepool", "ls"); err != nil {
+			t.Fatalf("restart %d: containerd cannot reach tidepoold once it is ready: %v\n%s", i, err, out)
+		}
+		runRm(t, s, fmt.Sprintf("after-%d", i), []string{"--snapshotter", "tidepool"}, imagebuild.BusyboxRef, "true")
 	}
 	s.C.LeakCheck(t)
 }

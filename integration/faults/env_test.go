@@ -101,7 +101,8 @@ func (e *env) startDaemon() {
 		"--metrics-address", "none", "--containerd-address", "none", "--log-level", "info"}
 	e.daemon = harness.StartDaemon(e.t, harness.DaemonSpec{
 		Name: "tidepoold", Path: filepath.Join(e.bin, "tidepoold"), Args: args,
-		Env: append(os.Environ(), "PATH="+testenv.SearchPath()),
+		Env:    append(os.Environ(), "PATH="+testenv.SearchPath()),
+		Notify: true,
 		Ready: func(ctx context.Context) error {
 			c, err := localapi.Dial(ctx, e.api, time.Second)
 			if err != nil {

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -30,7 +31,11 @@ type DaemonSpec struct {
 	LogPath string
 	// Ready is polled until it returns nil; nil means ready once started.
 	Ready func(ctx context.Context) error
-	// ReadyTimeout bounds the wait for Ready (default 30s).
+	// Notify: the daemon speaks systemd's notify protocol (a Type=notify unit). Start
+	// gives it a NOTIFY_SOCKET and waits for READY=1 before it polls Ready, as systemd
+	// waits for it before it calls the unit started.
+	Notify bool
+	// ReadyTimeout bounds the wait for READY=1 and Ready (default 30s).
 	ReadyTimeout time.Duration
 	// StopTimeout is how long Stop waits after SIGTERM before SIGKILL (default 10s).
 	StopTimeout time.Duration
@@ -104,6 +109,21 @@ func (d *Daemon) Start(ctx context.Context) error {
 	fmt.Fprintf(logf, "=== %s: start %s %s\n", time.Now().Format(time.RFC3339Nano), d.spec.Path, strings.Join(d.spec.Args, " "))
 	cmd := exec.Command(d.spec.Path, d.spec.Args...)
 	cmd.Env = d.spec.Env
+	var notified <-chan struct{}
+	if d.spec.Notify {
+		n, err := listenNotify()
+		if err != nil {
+			logf.Close()
+			d.mu.Unlock()
+			return fmt.Errorf("start %s: %w", d.spec.Name, err)
+		}
+		defer n.close()
+		if cmd.Env == nil {
+			cmd.Env = os.Environ()
+		}
+		cmd.Env = append(cmd.Env, "NOTIFY_SOCKET="+n.path)
+		notified = n.ready
+	}
 	cmd.Dir = d.spec.Dir
 	cmd.Stdout, cmd.Stderr = logf, logf
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
@@ -124,19 +144,28 @@ func (d *Daemon) Start(ctx context.Context) error {
 	}()
 	d.mu.Unlock()
 
-	if err := d.waitReady(ctx, done); err != nil {
+	if err := d.waitReady(ctx, done, notified); err != nil {
 		_ = d.Kill()
 		return fmt.Errorf("start %s: %w\nlast lines of %s:\n%s", d.spec.Name, err, d.spec.LogPath, d.LogTail(40))
 	}
 	return nil
 }
 
-func (d *Daemon) waitReady(ctx context.Context, done <-chan struct{}) error {
+func (d *Daemon) waitReady(ctx context.Context, done, notified <-chan struct{}) error {
+	ctx, cancel := context.WithTimeout(ctx, d.spec.ReadyTimeout)
+	defer cancel()
+	if notified != nil {
+		select {
+		case <-notified:
+		case <-done:
+			return fmt.Errorf("exited before it notified READY=1: %v", d.exitErr())
+		case <-ctx.Done():
+			return fmt.Errorf("no READY=1 notification after %v", d.spec.ReadyTimeout)
+		}
+	}
 	if d.spec.Ready == nil {
 		return nil
 	}
-	ctx, cancel := context.WithTimeout(ctx, d.spec.ReadyTimeout)
-	defer cancel()
 	delay := 5 * time.Millisecond
 	for {
 		err := d.spec.Ready(ctx)
@@ -313,4 +342,46 @@ func tailFile(path string, n int) string {
 		lines = lines[len(lines)-n:]
 	}
 	return strings.Join(lines, "\n")
+}
+
+// notifySocket is the datagram socket systemd gives a Type=notify service
+// (NOTIFY_SOCKET): ready is closed when a message carries READY=1.
+type notifySocket struct {
+	dir, path string
+	conn      *net.UnixConn
+	ready     chan struct{}
+}
+
+func listenNotify() (*notifySocket, error) {
+	dir, err := os.MkdirTemp("", "notify-")
+	if err != nil {
+		return nil, err
+	}
+	n := &notifySocket{dir: dir, path: filepath.Join(dir, "notify.sock"), ready: make(chan struct{})}
+	n.conn, err = net.ListenUnixgram("unixgram", &net.UnixAddr{Name: n.path, Net: "unixgram"})
+	if err != nil {
+		os.RemoveAll(dir)
+		return nil, fmt.Errorf("notify socket: %w", err)
+	}
+	go func() {
+		buf := make([]byte, 4096)
+		for {
+			k, err := n.conn.Read(buf)
+			if err != nil {
+				return
+			}
+			for _, line := range strings.Split(string(buf[:k]), "\n") {
+				if line == "READY=1" {
+					close(n.ready)
+					return
+				}
+			}
+		}
+	}()
+	return n, nil
+}
+
+func (n *notifySocket) close() {
+	n.conn.Close()
+	os.RemoveAll(n.dir)
 }

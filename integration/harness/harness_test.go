@@ -16,6 +16,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/coreos/go-systemd/v22/daemon"
 	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
 
 	"github.com/tidepool-dev/tidepool/integration/imagebuild"
@@ -428,6 +429,39 @@ func TestDaemon(t *testing.T) {
 		}
 	})
 
+	t.Run("notify: ready once READY=1 arrives", func(t *testing.T) {
+		notified := filepath.Join(dir, "notified")
+		d := NewDaemon(DaemonSpec{
+			Path: os.Args[0], Args: []string{"-test.run", "^TestNotifyHelper$", "-test.count=1"},
+			Env:     append(os.Environ(), "HARNESS_NOTIFY="+notified),
+			LogPath: filepath.Join(dir, "notify.log"),
+			Notify:  true,
+		})
+		if err := d.Start(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { d.Close() })
+		if _, err := os.Stat(notified); err != nil {
+			t.Fatalf("Start returned before the daemon notified READY=1: %v", err)
+		}
+	})
+
+	t.Run("notify: no READY=1 is a start failure", func(t *testing.T) {
+		d := NewDaemon(DaemonSpec{
+			Path: sh, Args: []string{"sleep", "1000"},
+			LogPath:      filepath.Join(dir, "silent.log"),
+			Notify:       true,
+			ReadyTimeout: 300 * time.Millisecond,
+		})
+		err := d.Start(context.Background())
+		if err == nil || !strings.Contains(err.Error(), "READY=1") {
+			t.Fatalf("Start: %v", err)
+		}
+		if d.Running() {
+			t.Fatal("a daemon that never notified is still running")
+		}
+	})
+
 	t.Run("ready timeout kills it", func(t *testing.T) {
 		d := NewDaemon(DaemonSpec{
 			Path: sh, Args: []string{"sleep", "1000"},
@@ -595,4 +629,25 @@ func TestRecordsThatCouldReachBeyondTheInstanceAreRefused(t *testing.T) {
 	if procs, err := instanceProcesses(absent); err != nil || len(procs) > 0 {
 		t.Fatalf("processes of an absent instance: %v %v", procs, err)
 	}
+}
+
+// TestNotifyHelper is the daemon of the notify subtest: it notifies STATUS, then (a
+// while later, having written the file HARNESS_NOTIFY names) READY=1, as
+// sd_notify(3) does, and stays up.
+func TestNotifyHelper(t *testing.T) {
+	marker := os.Getenv("HARNESS_NOTIFY")
+	if marker == "" {
+		t.Skip("run by the notify subtest")
+	}
+	if _, err := daemon.SdNotify(false, "STATUS=starting"); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(300 * time.Millisecond)
+	if err := os.WriteFile(marker, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if ok, err := daemon.SdNotify(false, "STATUS=up\n"+daemon.SdNotifyReady); !ok || err != nil {
+		t.Fatalf("notify: %v, %v", ok, err)
+	}
+	time.Sleep(time.Hour)
 }

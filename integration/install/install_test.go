@@ -264,6 +264,7 @@ func runFromInstalled(t *testing.T, T, bin string) {
 		Name: "tidepoold", Path: argv[0], Args: argv[1:],
 		Env:     append(os.Environ(), "PATH="+testenv.SearchPath()),
 		LogPath: filepath.Join(R, "tidepoold.log"),
+		Notify:  true, // the unit is Type=notify
 		Ready: func(ctx context.Context) error {
 			cl, err := localapi.Dial(ctx, api, time.Second)
 			if err != nil {

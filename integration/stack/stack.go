@@ -208,7 +208,10 @@ func Start(t testing.TB, opts Options) *Stack {
 		Name: "tidepoold", Path: filepath.Join(bin, "tidepoold"), Args: args,
 		Env:     append(os.Environ(), "PATH="+testenv.SearchPath()),
 		LogPath: filepath.Join(dir, "tidepoold.log"),
-		Ready:   func(ctx context.Context) error { return s.ping(ctx) },
+		// As systemd runs it (contrib/systemd, Type=notify): ready once it says so,
+		// which is once containerd reaches it, and it serves the API.
+		Notify: true,
+		Ready:  func(ctx context.Context) error { return s.ping(ctx) },
 	})
 	if err := daemon.Start(context.Background()); err != nil {
 		t.Fatalf("start tidepoold: %v\n%s", err, daemon.LogTail(30))
