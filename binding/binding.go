@@ -51,6 +51,12 @@ const (
 // The pools create their members with it; the shim registers under it.
 const RuntimeName = "io.containerd.tidepool.v1"
 
+// DoctorNamespace is the containerd namespace `tidepool doctor` creates for its
+// transfer probe and deletes afterwards. It collects its own garbage, so tidepoold's
+// snapshot gc watcher leaves it alone (a lease of the watcher's would create the
+// namespace again right after the doctor deleted it).
+const DoctorNamespace = "tidepool-doctor"
+
 // DefaultWorkdir is where the fork appears when no workdir is given.
 const DefaultWorkdir = "/workspace"
 

@@ -17,6 +17,8 @@ import (
 	"github.com/containerd/containerd/v2/core/leases"
 	"github.com/containerd/containerd/v2/pkg/namespaces"
 	"github.com/containerd/log"
+
+	"github.com/tidepool-dev/tidepool/binding"
 )
 
 // debounce gathers a burst of removals into one collection.
@@ -54,6 +56,9 @@ func watch(ctx context.Context, address, snapshotter string) error {
 		case err := <-errs:
 			return err
 		case e := <-events:
+			if e.Namespace == binding.DoctorNamespace {
+				continue // the doctor collects its own probe's garbage
+			}
 			namespace = e.Namespace
 			if pending == nil {
 				pending = time.After(debounce)
@@ -71,7 +76,9 @@ func watch(ctx context.Context, address, snapshotter string) error {
 // SynchronousDelete makes containerd collect before it answers. The lease goes in
 // the namespace the removal happened in (collection is global anyway), unless that
 // namespace is gone by now: a lease would create it again, resurrecting a namespace
-// its owner just deleted (as `tidepool doctor` does with its probe's).
+// its owner just deleted. The check and the lease are two calls, so a namespace
+// deleted between them is created again, empty; the watcher therefore ignores the
+// one namespace it knows is deleted right after a removal (the doctor's probe).
 func collect(ctx context.Context, client *containerd.Client) error {
 	if ns, ok := namespaces.Namespace(ctx); ok {
 		list, err := client.NamespaceService().List(ctx)

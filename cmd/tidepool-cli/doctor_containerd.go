@@ -27,13 +27,14 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
 
+	"github.com/tidepool-dev/tidepool/binding"
 	"github.com/tidepool-dev/tidepool/hostcheck"
 	"github.com/tidepool-dev/tidepool/shim"
 )
 
 // doctorNamespace holds the probe image of the transfer check while it runs; it is
 // removed afterwards.
-const doctorNamespace = "tidepool-doctor"
+const doctorNamespace = binding.DoctorNamespace
 
 // containerdFacts is what the containerd checks learnt, for the checks after them.
 type containerdFacts struct {
