@@ -446,37 +446,29 @@ func TestDaemon(t *testing.T) {
 		}
 	})
 
-	t.Run("notify: no READY=1 is a start failure", func(t *testing.T) {
-		d := NewDaemon(DaemonSpec{
-			Path: sh, Args: []string{"sleep", "1000"},
-			LogPath:      filepath.Join(dir, "silent.log"),
-			Notify:       true,
-			ReadyTimeout: 300 * time.Millisecond,
+	// A daemon that never gets ready (no READY=1, or Ready never succeeds) fails its
+	// start, and is killed.
+	for _, c := range []struct {
+		name, want string
+		spec       DaemonSpec
+	}{
+		{"notify: no READY=1 is a start failure", "READY=1", DaemonSpec{Notify: true, ReadyTimeout: 300 * time.Millisecond}},
+		{"ready timeout kills it", "not ready", DaemonSpec{
+			Ready: func(context.Context) error { return errors.New("not yet") }, ReadyTimeout: 200 * time.Millisecond}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			spec := c.spec
+			spec.Path, spec.Args, spec.LogPath = sh, []string{"sleep", "1000"}, filepath.Join(dir, "never-ready.log")
+			d := NewDaemon(spec)
+			err := d.Start(context.Background())
+			if err == nil || !strings.Contains(err.Error(), c.want) {
+				t.Fatalf("Start: %v", err)
+			}
+			if d.Running() {
+				t.Fatal("a daemon that never got ready is still running")
+			}
 		})
-		err := d.Start(context.Background())
-		if err == nil || !strings.Contains(err.Error(), "READY=1") {
-			t.Fatalf("Start: %v", err)
-		}
-		if d.Running() {
-			t.Fatal("a daemon that never notified is still running")
-		}
-	})
-
-	t.Run("ready timeout kills it", func(t *testing.T) {
-		d := NewDaemon(DaemonSpec{
-			Path: sh, Args: []string{"sleep", "1000"},
-			LogPath:      filepath.Join(dir, "slow.log"),
-			Ready:        func(context.Context) error { return errors.New("not yet") },
-			ReadyTimeout: 200 * time.Millisecond,
-		})
-		err := d.Start(context.Background())
-		if err == nil || !strings.Contains(err.Error(), "not ready") {
-			t.Fatalf("Start: %v", err)
-		}
-		if d.Running() {
-			t.Fatal("a daemon that never got ready is still running")
-		}
-	})
+	}
 }
 
 func TestConfigOptions(t *testing.T) {
