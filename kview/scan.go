@@ -413,7 +413,7 @@ func (od *objDirs) read(h casstore.Hash, max int64, buf []byte) ([]byte, bool, e
 		b = make([]byte, st.Size)
 	}
 	b = b[:st.Size]
-	n, err := preadFull(fd, b, 0)
+	n, err := preadFull(fd, b)
 	if err != nil {
 		return nil, false, fmt.Errorf("object %s: read: %w", h, err)
 	}
@@ -436,12 +436,12 @@ func preadOnce(fd int, b []byte) (int, error) {
 	}
 }
 
-// preadFull reads into b from off until b is full or the file ends, and returns how
-// many bytes it read.
-func preadFull(fd int, b []byte, off int64) (int, error) {
+// preadFull reads the file into b from its start until b is full or the file ends,
+// and returns how many bytes it read.
+func preadFull(fd int, b []byte) (int, error) {
 	n := 0
 	for n < len(b) {
-		m, err := unix.Pread(fd, b[n:], off+int64(n))
+		m, err := unix.Pread(fd, b[n:], int64(n))
 		if err == unix.EINTR {
 			continue
 		}

@@ -56,13 +56,14 @@ func waitForContainerd(ctx context.Context, cfg *plugin.Config, sn snapshots.Sna
 	defer client.Close()
 	start := time.Now()
 	outcome, err := containerdreach.Wait(ctx, statProber{client.SnapshotService(plugin.ID)}, keys, containerdreach.DefaultOptions)
-	l = l.WithField("outcome", outcome).WithField("waited", time.Since(start).Round(time.Millisecond))
+	waited := time.Since(start)
+	l = l.WithField("outcome", outcome).WithField("waited", waited.Round(time.Millisecond))
 	switch {
 	case outcome == containerdreach.TimedOut:
 		l.WithError(err).Warn("containerd still cannot reach the snapshotter; ready anyway")
-	case err != nil && outcome == containerdreach.Unknown:
+	case outcome == containerdreach.Unknown:
 		l.WithError(err).Info("could not tell whether containerd reaches the snapshotter; ready anyway")
-	case time.Since(start) > 100*time.Millisecond:
+	case waited > 100*time.Millisecond:
 		l.Info("waited for containerd to reconnect to the snapshotter")
 	default:
 		l.Debug("containerd reaches the snapshotter")
