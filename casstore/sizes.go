@@ -1,6 +1,7 @@
 package casstore
 
 import (
+	"crypto/rand"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -33,6 +34,11 @@ import (
 //     disagree make the hash unknown. Unknown means the caller stats the object.
 //   - A crash mid-append leaves a partial record at the end; the next writer pads it
 //     to a record boundary (under flock) so that later records stay aligned.
+//   - A reader follows the file it read so far by its device and inode number and
+//     by its first record, and starts over when any of them changes: a file that
+//     replaced it (compaction) can get the same inode number back once the one in
+//     between is gone too, so compaction starts its file with a record of its own
+//     (the forgetting of a random hash, which forgets nothing).
 //
 // Losing the file loses nothing but speed.
 const (
@@ -55,9 +61,13 @@ type sizeIndex struct {
 	adopt func(string) error
 
 	mu       sync.RWMutex
-	dev, ino uint64         // the file read so far
-	off      int64          // how much of f has been read (a record boundary)
-	m        map[Hash]int64 // -1: entries that disagree
+	dev, ino uint64              // the file read so far
+	off      int64               // how much of f has been read (a record boundary)
+	first    [sizeRecordLen]byte // the file's first record, once read
+	m        map[Hash]int64      // -1: entries that disagree
+	// losses counts the records read from this file that forgot or spoiled an entry
+	// (SizeEpoch).
+	losses uint64
 }
 
 func newSizeIndex(s *Store) *sizeIndex {
@@ -122,7 +132,16 @@ func (s *Store) RefreshSizes() error {
 	}
 	// Another file than last time (compacted, or removed and recreated), or one cut
 	// short by hand: start over.
-	if x.m == nil || st.Dev != x.dev || st.Ino != x.ino || st.Size < x.off {
+	replaced := x.m == nil || st.Dev != x.dev || st.Ino != x.ino || st.Size < x.off
+	if !replaced && x.off >= sizeRecordLen {
+		// The same inode number can be another file: its first record tells.
+		var first [sizeRecordLen]byte
+		if _, err := f.ReadAt(first[:], 0); err != nil {
+			return fmt.Errorf("size index: %w", err)
+		}
+		replaced = first != x.first
+	}
+	if replaced {
 		x.reset()
 		x.dev, x.ino = st.Dev, st.Ino
 	}
@@ -138,6 +157,9 @@ func (s *Store) RefreshSizes() error {
 			return fmt.Errorf("size index: %w", err)
 		}
 		n -= n % sizeRecordLen
+		if x.off == 0 && n > 0 {
+			copy(x.first[:], buf)
+		}
 		x.apply(buf[:n])
 		x.off += int64(n)
 		if int64(n) < want {
@@ -148,8 +170,29 @@ func (s *Store) RefreshSizes() error {
 }
 
 func (x *sizeIndex) reset() {
-	x.off, x.dev, x.ino = 0, 0, 0
+	x.off, x.dev, x.ino, x.losses = 0, 0, 0, 0
+	x.first = [sizeRecordLen]byte{}
 	x.m = map[Hash]int64{}
+}
+
+// SizeEpoch is where the size index stood at the last RefreshSizes, for a reader that
+// found a set of objects in it (KnownSize) and wants to know later whether they would
+// all still be found without asking again: they would as long as the epoch is the
+// same, since it changes with every record that forgets or spoils an entry and
+// whenever the index file is replaced. Records that only add entries leave it as it is.
+type SizeEpoch struct {
+	dev, ino uint64
+	first    [sizeRecordLen]byte
+	losses   uint64
+}
+
+// SizeEpoch returns the size index's epoch as of the last RefreshSizes; ok is false
+// when there is no index (nothing is known, so no answer can be kept).
+func (s *Store) SizeEpoch() (e SizeEpoch, ok bool) {
+	x := s.sizes
+	x.mu.RLock()
+	defer x.mu.RUnlock()
+	return SizeEpoch{dev: x.dev, ino: x.ino, first: x.first, losses: x.losses}, x.m != nil && x.off > 0
 }
 
 // apply folds whole records into the map.
@@ -165,13 +208,16 @@ func (x *sizeIndex) apply(b []byte) {
 		switch old, ok := x.m[h]; {
 		case size == sizeForgotten:
 			delete(x.m, h)
+			x.losses++
 		case size >= maxObjectSize:
 			// A well-formed record with a nonsense size: trust nothing about h.
 			x.m[h] = -1
+			x.losses++
 		case !ok:
 			x.m[h] = int64(size)
 		case old != int64(size):
 			x.m[h] = -1
+			x.losses++
 		}
 	}
 }
@@ -265,7 +311,13 @@ func (s *Store) CompactSizes() error {
 	if records := len(b) / sizeRecordLen; records < 1024 || records < 2*live {
 		return nil
 	}
-	out := make([]byte, 0, live*sizeRecordLen)
+	// The new file's first record is its own (see the size index's rules above): the
+	// forgetting of a random hash.
+	var nonce Hash
+	if _, err := rand.Read(nonce[:]); err != nil {
+		return fmt.Errorf("size index: compact: %w", err)
+	}
+	out := appendSizeRecord(make([]byte, 0, (1+live)*sizeRecordLen), nonce, sizeForgotten)
 	for h, v := range tmp.m {
 		if v >= 0 {
 			out = appendSizeRecord(out, h, uint64(v))

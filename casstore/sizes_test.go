@@ -222,7 +222,8 @@ func TestSizeIndexForgetAndCompact(t *testing.T) {
 		t.Fatal(err)
 	}
 	after, _ := os.Stat(filepath.Join(s.Root(), sizeIndexName))
-	if want := int64(501 * sizeRecordLen); after.Size() != want || os.SameFile(before, after) {
+	// 501 live entries, after compaction's own first record.
+	if want := int64((1 + 501) * sizeRecordLen); after.Size() != want || os.SameFile(before, after) {
 		t.Fatalf("compacted index: %d bytes (same file: %v), want %d in a new file", after.Size(), os.SameFile(before, after), want)
 	}
 	for _, st := range []*Store{s, reader} {
@@ -236,4 +237,91 @@ func TestSizeIndexForgetAndCompact(t *testing.T) {
 	os.Remove(filepath.Join(s.Root(), sizeIndexName))
 	refresh(t, s)
 	wantSize(t, s, hs[1499], 0, false)
+}
+
+// TestSizeEpoch: the epoch stays while records only add entries, and moves with every
+// record that forgets or spoils one and with every new index file.
+func TestSizeEpoch(t *testing.T) {
+	s := newStore(t)
+	refresh(t, s)
+	if _, ok := s.SizeEpoch(); ok {
+		t.Fatal("an epoch without an index")
+	}
+	h1, _ := s.PutBytes([]byte("one"))
+	refresh(t, s)
+	e, ok := s.SizeEpoch()
+	if !ok {
+		t.Fatal("no epoch with an index")
+	}
+	moved := func(why string, want bool) {
+		t.Helper()
+		refresh(t, s)
+		got, ok := s.SizeEpoch()
+		if !ok || (got != e) != want {
+			t.Fatalf("%s: epoch moved %v (ok %v), want moved %v", why, got != e, ok, want)
+		}
+		e = got
+	}
+	h2, _ := s.PutBytes([]byte("two!"))
+	moved("an entry added", false)
+	appendRaw(t, s, appendSizeRecord(nil, h2, 4)) // the same entry again
+	moved("an entry repeated", false)
+	appendRaw(t, s, appendSizeRecord(nil, h2, 5))
+	moved("an entry spoiled", true)
+	if err := s.ForgetSizes([]Hash{h1}); err != nil {
+		t.Fatal(err)
+	}
+	moved("an entry forgotten", true)
+	for i := range 1100 {
+		if _, err := s.PutBytes([]byte(strings.Repeat("y", i+1))); err != nil {
+			t.Fatal(err)
+		}
+	}
+	moved("entries added", false)
+	var hs []Hash
+	for i := range 1100 {
+		hs = append(hs, Sum([]byte(strings.Repeat("y", i+1))))
+	}
+	if err := s.ForgetSizes(hs); err != nil {
+		t.Fatal(err)
+	}
+	moved("entries forgotten", true)
+	unlock, err := s.LockExclusive()
+	if err != nil {
+		t.Fatal(err)
+	}
+	err = s.CompactSizes()
+	unlock()
+	if err != nil {
+		t.Fatal(err)
+	}
+	moved("the index compacted", true)
+}
+
+// TestSizeIndexReplacedInPlace: a reader tells a new index file that has the inode
+// number of the one it read (ext4 reuses them: compacted twice between two refreshes)
+// by its first record, and forgets what only the old file said.
+func TestSizeIndexReplacedInPlace(t *testing.T) {
+	s := newStore(t)
+	old, _ := s.PutBytes([]byte("old"))
+	refresh(t, s)
+	e, _ := s.SizeEpoch()
+	wantSize(t, s, old, 3, true)
+	// What a compaction writes, but into the same inode, and longer than what the
+	// reader read: another first record, then entries that do not name old.
+	var nonce Hash
+	rand.Read(nonce[:])
+	b := appendSizeRecord(nil, nonce, sizeForgotten)
+	newer := Sum([]byte("newer"))
+	b = appendSizeRecord(b, newer, 5)
+	b = appendSizeRecord(b, newer, 5)
+	if err := os.WriteFile(filepath.Join(s.Root(), sizeIndexName), b, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	refresh(t, s)
+	wantSize(t, s, old, 0, false)
+	wantSize(t, s, newer, 5, true)
+	if got, _ := s.SizeEpoch(); got == e {
+		t.Fatal("the epoch did not move with a new index file")
+	}
 }

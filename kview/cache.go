@@ -36,6 +36,9 @@ type Cache struct {
 	gate  sync.RWMutex
 	stats *Stats
 	memo  *treeMemo // decoded trees, shared by the builds of every image
+	// checked lets a cache hit skip the check of an object list that the size index
+	// showed whole and nothing has forgotten since (checked.go).
+	checked checkedLists
 
 	// owners indexes the cached images by tree and owner class (derive.go), so that
 	// an image for a new owner can be derived from one of the same tree; filled from
@@ -114,8 +117,12 @@ func (c *Cache) image(ctx context.Context, spec Spec) (string, error) {
 	return img, nil
 }
 
-// checkObjects checks that every object in KEY.objects is in the store.
+// checkObjects checks that every object in KEY.objects is in the store, unless the
+// size index showed them all and has forgotten nothing since (checked.go).
 func (c *Cache) checkObjects(ctx context.Context, spec Spec, key string) error {
+	if c.listUnchanged(key) {
+		return nil
+	}
 	b, err := os.ReadFile(c.path(key, ".objects"))
 	if err != nil {
 		return err
@@ -124,13 +131,19 @@ func (c *Cache) checkObjects(ctx context.Context, spec Spec, key string) error {
 }
 
 // checkObjectList checks that every object in b (KEY.objects's content) is in the
-// store.
+// store, and remembers key's list as checked if the size index knew every object.
 func (c *Cache) checkObjectList(ctx context.Context, spec Spec, key string, b []byte) error {
 	if len(b)%len(casstore.Hash{}) != 0 {
+		c.checked.drop(key)
 		return fmt.Errorf("object list %s is truncated: %w", c.path(key, ".objects"), fs.ErrNotExist)
 	}
+	c.stats.ObjectChecks.Add(1)
 	od := newObjDirs(c.store)
 	defer od.close()
+	// Read after newObjDirs refreshed the index and before any lookup: the lookups
+	// see the index at this epoch or later, never earlier.
+	epoch, whole := c.store.SizeEpoch()
+	whole = whole && od.index
 	var missing []casstore.Hash
 	for i := 0; i < len(b); i += len(casstore.Hash{}) {
 		if i%(1024*32) == 0 {
@@ -143,14 +156,22 @@ func (c *Cache) checkObjectList(ctx context.Context, spec Spec, key string, b []
 		if _, ok := od.known(h); ok {
 			continue
 		}
+		whole = false
 		if _, ok, err := od.stat(h); err != nil {
+			c.checked.drop(key)
 			return err
 		} else if !ok {
 			missing = append(missing, h)
 		}
 	}
 	if len(missing) > 0 {
+		c.checked.drop(key)
 		return &MissingError{Root: spec.Root, Objects: missing}
+	}
+	if whole {
+		c.checked.set(key, epoch)
+	} else {
+		c.checked.drop(key)
 	}
 	return nil
 }
@@ -176,8 +197,11 @@ func (c *Cache) build(ctx context.Context, spec Spec, key string) error {
 		}
 		log.G(ctx).WithError(err).WithField("from", from.Key()).Debug("kernel view image not derived; building it")
 	}
+	// The epoch before the scan, whose lookups see the index at it or later.
+	epoch, indexed := c.indexEpoch()
 	t, err := scan(ctx, c.store, spec, c.memo)
 	if err != nil {
+		c.checked.drop(key)
 		return err
 	}
 	scanned := time.Now()
@@ -196,7 +220,13 @@ func (c *Cache) build(ctx context.Context, spec Spec, key string) error {
 		return l.ownerSlots(), err
 	})
 	if err != nil {
+		c.checked.drop(key)
 		return err
+	}
+	if indexed && t.Stated == 0 {
+		c.checked.set(key, epoch) // the scan found every file's object in the index
+	} else {
+		c.checked.drop(key)
 	}
 	c.stats.Builds.Add(1)
 	c.count(start, size)
@@ -249,8 +279,10 @@ func (c *Cache) derive(ctx context.Context, spec Spec, key string, from Spec) (i
 	if err != nil {
 		return 0, err
 	}
-	if err := c.checkObjectList(ctx, spec, fk, objs); err != nil {
-		return 0, err
+	if !c.listUnchanged(fk) {
+		if err := c.checkObjectList(ctx, spec, fk, objs); err != nil {
+			return 0, err
+		}
 	}
 	slots, err := os.ReadFile(c.path(fk, ".owners"))
 	if err != nil {
@@ -278,7 +310,12 @@ func (c *Cache) derive(ctx context.Context, spec Spec, key string, from Spec) (i
 		_, err := f.Write(img)
 		return slots, err
 	})
-	return int64(len(img)), err
+	if err != nil {
+		c.checked.drop(key)
+		return 0, err
+	}
+	c.checked.copy(fk, key) // the same object list
+	return int64(len(img)), nil
 }
 
 // sibling returns the spec of a cached image of spec's class, if the index knows one.
@@ -436,6 +473,7 @@ func (c *Cache) Collect(ctx context.Context, grace time.Duration) (int, error) {
 				continue
 			}
 		}
+		c.checked.drop(key)
 		if err := os.Remove(filepath.Join(c.dir, name)); err != nil && !errors.Is(err, fs.ErrNotExist) {
 			return n, fmt.Errorf("image cache: %w", err)
 		}

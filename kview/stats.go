@@ -9,6 +9,10 @@ type Stats struct {
 	BuildNanos atomic.Int64 // time spent building and deriving them
 	BuildBytes atomic.Int64 // bytes of the images built
 	CacheHits  atomic.Int64 // mounts that found their image cached
+	// ObjectChecks counts the object lists of cached images checked against the
+	// store, one lookup per object; a hit whose list the size index showed whole,
+	// with nothing forgotten since, skips it (checked.go).
+	ObjectChecks atomic.Int64
 	// TreesRead counts the tree objects builds read from the store; the others came
 	// from the memo of decoded trees.
 	TreesRead atomic.Int64

@@ -369,6 +369,8 @@ var (
 		"Bytes of kernel view images built and derived.", nil, nil)
 	descImageHits = prometheus.NewDesc("tidepool_views_image_cache_hits_total",
 		"Kernel view mounts that found their image already built.", nil, nil)
+	descObjectChecks = prometheus.NewDesc("tidepool_views_image_object_checks_total",
+		"Object lists of cached kernel view images checked against the store (a cache hit skips it while the size index has forgotten nothing since the list was last found whole in it).", nil, nil)
 	descTreesRead = prometheus.NewDesc("tidepool_views_image_trees_read_total",
 		"Tree objects that kernel view image builds read from the store (the others were decoded before).", nil, nil)
 	descTreesWarmed = prometheus.NewDesc("tidepool_views_trees_warmed_total",
@@ -388,6 +390,7 @@ func (c statsCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- descImageSeconds
 	ch <- descImageBytes
 	ch <- descImageHits
+	ch <- descObjectChecks
 	ch <- descImageDerived
 	ch <- descTreesRead
 	ch <- descTreesWarmed
@@ -425,6 +428,7 @@ func (c statsCollector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(descImageSeconds, prometheus.CounterValue, time.Duration(ks.BuildNanos.Load()).Seconds())
 	ch <- prometheus.MustNewConstMetric(descImageBytes, prometheus.CounterValue, float64(ks.BuildBytes.Load()))
 	ch <- prometheus.MustNewConstMetric(descImageHits, prometheus.CounterValue, float64(ks.CacheHits.Load()))
+	ch <- prometheus.MustNewConstMetric(descObjectChecks, prometheus.CounterValue, float64(ks.ObjectChecks.Load()))
 	ch <- prometheus.MustNewConstMetric(descImageDerived, prometheus.CounterValue, float64(ks.Derived.Load()))
 	ch <- prometheus.MustNewConstMetric(descTreesRead, prometheus.CounterValue, float64(ks.TreesRead.Load()))
 	ch <- prometheus.MustNewConstMetric(descTreesWarmed, prometheus.CounterValue, float64(ks.TreesWarmed.Load()))

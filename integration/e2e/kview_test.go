@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/tidepool-dev/tidepool/binding"
+	"github.com/tidepool-dev/tidepool/casstore"
 	"github.com/tidepool-dev/tidepool/integration/harness"
 	"github.com/tidepool-dev/tidepool/integration/imagebuild"
 	"github.com/tidepool-dev/tidepool/integration/stack"
@@ -396,6 +397,84 @@ func TestKernelViewPreparedOnArrival(t *testing.T) {
 	waitImages(2)
 	if got := s.Metric(t, "tidepool_views_image_cache_hits_total"); got <= hits {
 		t.Fatalf("the view of a root ingested while tidepoold was stopped was not found prepared (cache hits %v, then %v)", hits, got)
+	}
+	waitViewsReleased(t, s)
+	s.C.LeakCheck(t)
+}
+
+// TestKernelViewCacheHitSeesRemovedObjects: a container on a cached image does not
+// look its objects up again while the store's size index has forgotten nothing since
+// they were all found in it, and does once an object leaves the store (fsck
+// quarantines it, forgetting its size first): the tree then gets no kernel view (auto:
+// a FUSE view, on which that file alone fails; kernel: the container is refused,
+// naming the object), and once the object is back, a kernel view again.
+func TestKernelViewCacheHitSeesRemovedObjects(t *testing.T) {
+	requireKernelViews(t)
+	s := stack.Start(t, stack.Options{Metrics: true})
+	s.C.ImportImage(t, imagebuild.BusyboxArchive(t).Path, imagebuild.BusyboxRef, "tidepool")
+	root := s.Ingest(t, writeTree(t, map[string]string{"a.txt": "alpha\n", "b.txt": "bravo\n"}))
+	// Discarded, so that no commit builds the image of a next root (arrivals).
+	labels := forkLabels(root, "/app", binding.LabelDiscard+"=true")
+	script := "cat /app/a.txt; cat /app/b.txt 2>&1; true"
+	const whole = "alpha\nbravo\n"
+	run := func(id string) string {
+		t.Helper()
+		return runRm(t, s, id, labels, imagebuild.BusyboxRef, "sh", "-c", script)
+	}
+	checks := func() float64 { return s.Metric(t, "tidepool_views_image_object_checks_total") }
+	hits := func() float64 { return s.Metric(t, "tidepool_views_image_cache_hits_total") }
+	if out := run("build"); out != whole {
+		t.Fatalf("first container printed %q, want %q", out, whole)
+	}
+	c0, h0 := checks(), hits()
+	for i := range 2 {
+		if out := run(fmt.Sprintf("hit-%d", i)); out != whole {
+			t.Fatalf("container on the cached image printed %q, want %q", out, whole)
+		}
+	}
+	if c, h := checks()-c0, hits()-h0; c != 0 || h < 2 {
+		t.Fatalf("two containers on a cached image: %v cache hits, %v object lists checked; want 2 or more hits and no check", h, c)
+	}
+
+	store, err := casstore.Open(filepath.Join(s.Root, "cas"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	b := casstore.Sum([]byte("bravo\n"))
+	if err := os.WriteFile(store.Path(b), []byte("tampered\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if out, _ := s.Tidepool("fsck", "--quarantine"); !strings.Contains(out, "corrupt "+b.String()) {
+		t.Fatalf("fsck --quarantine did not quarantine %s:\n%s", b, out)
+	}
+	if _, err := os.Stat(store.Path(b)); !os.IsNotExist(err) {
+		t.Fatalf("quarantined object still in the store: %v", err)
+	}
+	c1 := checks()
+	if os.Getenv("TIDEPOOL_VIEWS_MODE") == "kernel" {
+		args := append(append([]string{"run", "--rm", "--fifo-dir", s.C.FIFODir}, labels...), imagebuild.BusyboxRef, "missing", "sh", "-c", script)
+		if out, err := s.Ctr(args...); err == nil || !strings.Contains(err.Error(), b.String()) {
+			t.Fatalf("views.mode kernel, an object missing: ctr run printed %q, error %v; want an error naming %s", out, err, b)
+		}
+	} else if out := run("missing"); !strings.HasPrefix(out, "alpha\n") || strings.Contains(out, "bravo") || !strings.Contains(out, "b.txt") {
+		t.Fatalf("views.mode auto, an object missing: container printed %q, want a.txt's content and an error for b.txt alone", out)
+	}
+	if c := checks() - c1; c < 1 {
+		t.Fatal("no object list checked after an object left the store")
+	}
+
+	if _, err := store.PutBytes([]byte("bravo\n")); err != nil {
+		t.Fatal(err)
+	}
+	c2 := checks()
+	if out := run("restored"); out != whole {
+		t.Fatalf("object restored: container printed %q, want %q", out, whole)
+	}
+	if out := run("restored-hit"); out != whole {
+		t.Fatalf("object restored, cached image: container printed %q, want %q", out, whole)
+	}
+	if c := checks() - c2; c != 1 {
+		t.Fatalf("object restored: %v object lists checked by two containers, want 1 (the first)", c)
 	}
 	waitViewsReleased(t, s)
 	s.C.LeakCheck(t)
