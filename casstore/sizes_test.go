@@ -24,6 +24,20 @@ func wantSize(t *testing.T, s *Store, h Hash, want int64, known bool) {
 	}
 }
 
+// compact compacts s's size index as garbage collection does, under the store's
+// exclusive lock.
+func compact(t *testing.T, s *Store) {
+	t.Helper()
+	unlock, err := s.LockExclusive()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unlock()
+	if err := s.CompactSizes(); err != nil {
+		t.Fatal(err)
+	}
+}
+
 func appendRaw(t *testing.T, s *Store, b []byte) {
 	t.Helper()
 	f, err := os.OpenFile(filepath.Join(s.Root(), sizeIndexName), os.O_WRONLY|os.O_APPEND|os.O_CREATE, 0o600)
@@ -212,15 +226,7 @@ func TestSizeIndexForgetAndCompact(t *testing.T) {
 	wantSize(t, s, hs[1], 2, true)
 
 	before, _ := os.Stat(filepath.Join(s.Root(), sizeIndexName))
-	unlock, err := s.LockExclusive()
-	if err != nil {
-		t.Fatal(err)
-	}
-	err = s.CompactSizes()
-	unlock()
-	if err != nil {
-		t.Fatal(err)
-	}
+	compact(t, s)
 	after, _ := os.Stat(filepath.Join(s.Root(), sizeIndexName))
 	// 501 live entries, after compaction's own first record.
 	if want := int64((1 + 501) * sizeRecordLen); after.Size() != want || os.SameFile(before, after) {
@@ -286,15 +292,7 @@ func TestSizeEpoch(t *testing.T) {
 		t.Fatal(err)
 	}
 	moved("entries forgotten", true)
-	unlock, err := s.LockExclusive()
-	if err != nil {
-		t.Fatal(err)
-	}
-	err = s.CompactSizes()
-	unlock()
-	if err != nil {
-		t.Fatal(err)
-	}
+	compact(t, s)
 	moved("the index compacted", true)
 }
 

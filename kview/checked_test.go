@@ -11,6 +11,16 @@ import (
 	"github.com/tidepool-dev/tidepool/casstore/casstoretest"
 )
 
+// openCache opens the image cache at dir over s, as a tidepoold process does.
+func openCache(t *testing.T, dir string, s *casstore.Store) *Cache {
+	t.Helper()
+	c, err := NewCache(dir, s, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return c
+}
+
 // TestCacheHitChecksWhatMayHaveChanged: a cache hit checks an image's object list
 // against the store only when the size index may answer differently than when the
 // list was last found whole in it: after an entry is forgotten (an object removed),
@@ -21,10 +31,7 @@ func TestCacheHitChecksWhatMayHaveChanged(t *testing.T) {
 	s := casstoretest.NewStore(t)
 	root := fixture(t, s)
 	dir := t.TempDir()
-	c, err := NewCache(dir, s, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	c := openCache(t, dir, s)
 	spec := Spec{Root: root, UID: 1000, GID: 1000}
 	image := func(c *Cache, spec Spec, checks int64) error {
 		t.Helper()
@@ -75,10 +82,7 @@ func TestCacheHitChecksWhatMayHaveChanged(t *testing.T) {
 	must(image(c, spec, 4))
 
 	// A new process knows nothing of the last one's checks.
-	c2, err := NewCache(dir, s, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	c2 := openCache(t, dir, s)
 	must(image(c2, spec, 1))
 	must(image(c2, spec, 1))
 

@@ -114,10 +114,7 @@ func TestCacheDerivesOtherOwners(t *testing.T) {
 	s := casstoretest.NewStore(t)
 	root := fixture(t, s)
 	dir := t.TempDir()
-	c, err := NewCache(dir, s, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	c := openCache(t, dir, s)
 	image := func(c *Cache, spec Spec) {
 		t.Helper()
 		img, err := c.image(ctx, spec)
@@ -152,10 +149,7 @@ func TestCacheDerivesOtherOwners(t *testing.T) {
 	counts(c, 3, 3)
 
 	// A new process finds the images of the previous one.
-	c2, err := NewCache(dir, s, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	c2 := openCache(t, dir, s)
 	image(c2, spec(42, 42))
 	counts(c2, 0, 1)
 
@@ -166,10 +160,7 @@ func TestCacheDerivesOtherOwners(t *testing.T) {
 			os.Remove(filepath.Join(dir, e.Name()))
 		}
 	}
-	c3, err := NewCache(dir, s, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	c3 := openCache(t, dir, s)
 	image(c3, spec(43, 43))
 	counts(c3, 1, 0)
 	image(c3, spec(44, 44)) // from the image just built, which has its slots

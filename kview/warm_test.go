@@ -26,10 +26,7 @@ func TestWarmTrees(t *testing.T) {
 		"internal/b/b.go": casstoretest.File("package b\n"),
 	})
 	dir := t.TempDir()
-	c, err := NewCache(dir, s, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	c := openCache(t, dir, s)
 	used := time.Now().Add(-time.Hour)
 	for _, root := range []casstore.Hash{old, recent} {
 		img, err := c.image(ctx, Spec{Root: root, Prefix: "app", UID: 1000, GID: 1000})
@@ -43,10 +40,7 @@ func TestWarmTrees(t *testing.T) {
 	}
 	// A new process finds both roots, recent first, and warms one: recent's 5 trees
 	// (root, cmd, cmd/x, internal, internal/b), none of old's.
-	c2, err := NewCache(dir, s, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	c2 := openCache(t, dir, s)
 	if got := c2.lastRoots; len(got) != 2 || got[0] != recent || got[1] != old {
 		t.Fatalf("recent roots %v, want [%s %s]", got, recent.Short(), old.Short())
 	}
@@ -81,10 +75,7 @@ func TestWarmTrees(t *testing.T) {
 		t.Fatal(err)
 	}
 	removeObject(t, s, recent)
-	c3, err := NewCache(dir, s, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	c3 := openCache(t, dir, s)
 	if n, err := c3.WarmTrees(ctx, 5); err != nil || n == 0 {
 		t.Fatalf("warm-up with a root gone: %d trees, %v; want old's trees", n, err)
 	}
@@ -95,10 +86,7 @@ func TestWarmTrees(t *testing.T) {
 	// A cancelled warm-up says so.
 	cctx, cancel := context.WithCancel(ctx)
 	cancel()
-	c4, err := NewCache(dir, s, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	c4 := openCache(t, dir, s)
 	if _, err := c4.WarmTrees(cctx, 5); err == nil {
 		t.Fatal("a cancelled warm-up reported success")
 	}
