@@ -134,10 +134,7 @@ func cpuTime(b *testing.B) time.Duration {
 // copy of the image with its owned inodes' owner rewritten, and the writes.
 func BenchmarkImageDeriveGoTree(b *testing.B) {
 	s, root := goTree(b)
-	c, err := NewCache(b.TempDir(), s, nil)
-	if err != nil {
-		b.Fatal(err)
-	}
+	c := openCache(b, b.TempDir(), s)
 	ctx := context.Background()
 	if _, err := c.image(ctx, Spec{Root: root, Prefix: "app", UID: 1000, GID: 1000}); err != nil {
 		b.Fatal(err)
@@ -164,10 +161,7 @@ func BenchmarkImageDeriveGoTree(b *testing.B) {
 // lookups miss the CPU's caches and cost more.
 func BenchmarkImageCacheHitGoTree(b *testing.B) {
 	s, root := goTree(b)
-	c, err := NewCache(b.TempDir(), s, nil)
-	if err != nil {
-		b.Fatal(err)
-	}
+	c := openCache(b, b.TempDir(), s)
 	ctx := context.Background()
 	spec := Spec{Root: root, Prefix: "app", UID: 1000, GID: 1000}
 	if _, err := c.image(ctx, spec); err != nil {

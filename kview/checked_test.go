@@ -12,7 +12,7 @@ import (
 )
 
 // openCache opens the image cache at dir over s, as a tidepoold process does.
-func openCache(t *testing.T, dir string, s *casstore.Store) *Cache {
+func openCache(t testing.TB, dir string, s *casstore.Store) *Cache {
 	t.Helper()
 	c, err := NewCache(dir, s, nil)
 	if err != nil {
