@@ -13,10 +13,12 @@ import (
 // for the Go source tree, and between containers each one misses the CPU's caches: 3
 // to 5 ms of the Prepare of every container on a cached image (README, figures).
 //
-// checkedLists makes the common hit free. It remembers, per image, the size index's
-// epoch (casstore.SizeEpoch) at which every object of the image's list was found in
-// the index. While the epoch is the same, no entry has been forgotten or spoiled
-// since, so the same lookups would find every object again: the hit skips them.
+// checkedLists makes the common hit cheap: a refresh of the index (an open, a stat
+// and one 48-byte read) instead of a lookup per object. It remembers, per image, the
+// size index's epoch (casstore.SizeEpoch) at which every object of the image's list
+// was found in the index. While the epoch is the same, no entry has been forgotten or
+// spoiled since, so the same lookups would find every object again: the hit skips
+// them.
 // Lists with objects the index did not know (stored by LunarFS, or before the index
 // existed) are never remembered: a stat of each is the only check there is for them.
 // The memory is the process's: a restarted tidepoold checks each image once.
