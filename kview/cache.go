@@ -120,30 +120,28 @@ func (c *Cache) image(ctx context.Context, spec Spec) (string, error) {
 // checkObjects checks that every object in KEY.objects is in the store, unless the
 // size index showed them all and has forgotten nothing since (checked.go).
 func (c *Cache) checkObjects(ctx context.Context, spec Spec, key string) error {
-	if c.listUnchanged(key) {
+	od := newObjDirs(c.store)
+	defer od.close()
+	if c.listUnchanged(od, key) {
 		return nil
 	}
 	b, err := os.ReadFile(c.path(key, ".objects"))
 	if err != nil {
 		return err
 	}
-	return c.checkObjectList(ctx, spec, key, b)
+	return c.checkObjectList(ctx, od, spec, key, b)
 }
 
 // checkObjectList checks that every object in b (KEY.objects's content) is in the
-// store, and remembers key's list as checked if the size index knew every object.
-func (c *Cache) checkObjectList(ctx context.Context, spec Spec, key string, b []byte) error {
+// store, through od, and remembers key's list as checked if the size index knew
+// every object.
+func (c *Cache) checkObjectList(ctx context.Context, od *objDirs, spec Spec, key string, b []byte) error {
+	c.checked.drop(key)
 	if len(b)%len(casstore.Hash{}) != 0 {
-		c.checked.drop(key)
 		return fmt.Errorf("object list %s is truncated: %w", c.path(key, ".objects"), fs.ErrNotExist)
 	}
 	c.stats.ObjectChecks.Add(1)
-	od := newObjDirs(c.store)
-	defer od.close()
-	// Read after newObjDirs refreshed the index and before any lookup: the lookups
-	// see the index at this epoch or later, never earlier.
-	epoch, whole := c.store.SizeEpoch()
-	whole = whole && od.index
+	whole := od.epochOK
 	var missing []casstore.Hash
 	for i := 0; i < len(b); i += len(casstore.Hash{}) {
 		if i%(1024*32) == 0 {
@@ -158,20 +156,16 @@ func (c *Cache) checkObjectList(ctx context.Context, spec Spec, key string, b []
 		}
 		whole = false
 		if _, ok, err := od.stat(h); err != nil {
-			c.checked.drop(key)
 			return err
 		} else if !ok {
 			missing = append(missing, h)
 		}
 	}
 	if len(missing) > 0 {
-		c.checked.drop(key)
 		return &MissingError{Root: spec.Root, Objects: missing}
 	}
 	if whole {
-		c.checked.set(key, epoch)
-	} else {
-		c.checked.drop(key)
+		c.checked.set(key, od.epoch)
 	}
 	return nil
 }
@@ -197,11 +191,9 @@ func (c *Cache) build(ctx context.Context, spec Spec, key string) error {
 		}
 		log.G(ctx).WithError(err).WithField("from", from.Key()).Debug("kernel view image not derived; building it")
 	}
-	// The epoch before the scan, whose lookups see the index at it or later.
-	epoch, indexed := c.indexEpoch()
+	c.checked.drop(key)
 	t, err := scan(ctx, c.store, spec, c.memo)
 	if err != nil {
-		c.checked.drop(key)
 		return err
 	}
 	scanned := time.Now()
@@ -220,13 +212,10 @@ func (c *Cache) build(ctx context.Context, spec Spec, key string) error {
 		return l.ownerSlots(), err
 	})
 	if err != nil {
-		c.checked.drop(key)
 		return err
 	}
-	if indexed && t.Stated == 0 {
-		c.checked.set(key, epoch) // the scan found every file's object in the index
-	} else {
-		c.checked.drop(key)
+	if t.sizesKnown {
+		c.checked.set(key, t.sizesAt) // the scan found every file's object in the index
 	}
 	c.stats.Builds.Add(1)
 	c.count(start, size)
@@ -279,8 +268,10 @@ func (c *Cache) derive(ctx context.Context, spec Spec, key string, from Spec) (i
 	if err != nil {
 		return 0, err
 	}
-	if !c.listUnchanged(fk) {
-		if err := c.checkObjectList(ctx, spec, fk, objs); err != nil {
+	od := newObjDirs(c.store)
+	defer od.close()
+	if !c.listUnchanged(od, fk) {
+		if err := c.checkObjectList(ctx, od, spec, fk, objs); err != nil {
 			return 0, err
 		}
 	}

@@ -63,18 +63,8 @@ func (cl *checkedLists) drop(key string) {
 	delete(cl.m, key)
 }
 
-// indexEpoch refreshes the store's size index and returns its epoch; ok is false
-// when there is no index or it cannot be read.
-func (c *Cache) indexEpoch() (casstore.SizeEpoch, bool) {
-	if err := c.store.RefreshSizes(); err != nil {
-		return casstore.SizeEpoch{}, false
-	}
-	return c.store.SizeEpoch()
-}
-
 // listUnchanged reports whether key's object list was found whole in the size index
-// at the index's current epoch, so that checking it again would find every object.
-func (c *Cache) listUnchanged(key string) bool {
-	e, ok := c.indexEpoch()
-	return ok && c.checked.at(key, e)
+// at the epoch od refreshed it to, so that checking it again would find every object.
+func (c *Cache) listUnchanged(od *objDirs, key string) bool {
+	return od.epochOK && c.checked.at(key, od.epoch)
 }

@@ -34,6 +34,10 @@ type Tree struct {
 	// TreesRead is how many tree objects the scan read from the store; the others
 	// came from the memo of decoded trees.
 	TreesRead int
+	// sizesAt is the size index's epoch the scan's size lookups saw (or a later one);
+	// sizesKnown says the index had every file's size (checked.go).
+	sizesAt    casstore.SizeEpoch
+	sizesKnown bool
 
 	objects  []casstore.Hash // the objects files point at, each once
 	symlinks int
@@ -104,6 +108,7 @@ func scan(ctx context.Context, store *casstore.Store, spec Spec, memo *treeMemo)
 		}
 	}
 	t.top = owned
+	t.sizesAt, t.sizesKnown = od.epoch, od.epochOK && t.Stated == 0
 	if spec.Prefix != "" {
 		parts := strings.Split(spec.Prefix, "/")
 		owned.name = parts[len(parts)-1]
@@ -268,6 +273,10 @@ type objDirs struct {
 	store *casstore.Store
 	root  string
 	index bool // answer sizes from the store's size index first
+	// epoch is the size index's epoch once refreshed, before any lookup (epochOK:
+	// there is an index): every lookup sees it or a later one.
+	epoch   casstore.SizeEpoch
+	epochOK bool
 	// treesOnly: decode trees (and read symlink targets) without looking up file
 	// sizes, to fill the memo (warm.go).
 	treesOnly bool
@@ -287,7 +296,11 @@ type objDirs struct {
 // misses them (lookup).
 func newObjDirs(store *casstore.Store) *objDirs {
 	store.WaitPublished()
-	return &objDirs{store: store, root: store.Root(), index: store.RefreshSizes() == nil}
+	od := &objDirs{store: store, root: store.Root(), index: store.RefreshSizes() == nil}
+	if od.index {
+		od.epoch, od.epochOK = store.SizeEpoch()
+	}
+	return od
 }
 
 func (od *objDirs) close() {
