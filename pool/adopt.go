@@ -143,17 +143,14 @@ func (c *Controller) Adopt(ctx context.Context, req AdoptRequest) (Adoption, err
 	if req.Runtime != p.t.Runtime {
 		return cold("runtime")
 	}
-	m := p.takeIdle()
+	m := p.lend()
 	if m == nil {
 		return cold("no_idle_member")
 	}
-	release := func(reason string) {
-		p.release()
-		go p.discard(context.WithoutCancel(ctx), m, reason)
-	}
 	memberSpec, err := m.container.Spec(ctx)
 	if err != nil {
-		release("error")
+		p.unlend()
+		go p.discard(context.WithoutCancel(ctx), m, "error")
 		return Adoption{}, err
 	}
 	if reason := ineligible(withoutSlot(memberSpec, m.slot), req.Spec); reason != "" {
@@ -168,6 +165,12 @@ func (c *Controller) Adopt(ctx context.Context, req AdoptRequest) (Adoption, err
 	if err != nil || mInfo.Parent != info.Parent {
 		p.giveBack(m)
 		return cold("image")
+	}
+	// Eligible: the member is the container's from here, and the pool replaces it.
+	p.claimLent()
+	release := func(reason string) {
+		p.release()
+		go p.discard(context.WithoutCancel(ctx), m, reason)
 	}
 	if err := c.sn.CheckLateBind(ctx, m.snapKey); err != nil {
 		release("tainted")
@@ -305,8 +308,9 @@ func (c *Controller) ReleaseMember(ctx context.Context, member string) error {
 	return nil
 }
 
-// takeIdle takes the oldest idle member without waiting.
-func (p *Pool) takeIdle() *Member {
+// lend takes the oldest idle member, without waiting, for an eligibility check: it
+// still counts as the pool's (needMember) until claimLent or giveBack.
+func (p *Pool) lend() *Member {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if len(p.idle) == 0 {
@@ -314,17 +318,34 @@ func (p *Pool) takeIdle() *Member {
 	}
 	m := p.idle[0]
 	p.idle = p.idle[1:]
-	p.claimed++
+	p.lent++
 	p.c.claims.took()
 	return m
 }
 
-// giveBack returns a member nothing touched (an eligibility check said no).
+// giveBack returns a lent member nothing touched (an eligibility check said no).
 func (p *Pool) giveBack(m *Member) {
 	p.mu.Lock()
-	p.claimed--
+	p.lent--
 	p.idle = append([]*Member{m}, p.idle...)
 	p.mu.Unlock()
+}
+
+// claimLent makes a lent member a claimed one, and asks for its replacement.
+func (p *Pool) claimLent() {
+	p.mu.Lock()
+	p.lent--
+	p.claimed++
+	p.mu.Unlock()
+	p.poke()
+}
+
+// unlend forgets a lent member that is being discarded.
+func (p *Pool) unlend() {
+	p.mu.Lock()
+	p.lent--
+	p.mu.Unlock()
+	p.poke()
 }
 
 // snapshotNamespace is the containerd namespace of a snapshot, from its key in the

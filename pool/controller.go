@@ -273,7 +273,7 @@ func (c *Controller) List() []Status {
 		st := Status{Name: name, Image: t.Image, Namespaces: t.Namespaces}
 		for _, p := range sets {
 			p.mu.Lock()
-			st.Idle, st.Claimed, st.Starting = st.Idle+len(p.idle), st.Claimed+p.claimed, st.Starting+p.starting
+			st.Idle, st.Claimed, st.Starting = st.Idle+len(p.idle), st.Claimed+p.claimed+p.lent, st.Starting+p.starting
 			p.mu.Unlock()
 			st.Min, st.Target, st.Max = st.Min+t.Min, st.Target+t.Target, st.Max+t.Max
 		}

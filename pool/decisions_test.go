@@ -253,11 +253,11 @@ func TestAdoptColdReasons(t *testing.T) {
 			switch {
 			case tc.reason == "no_idle_member":
 			case tc.kept:
-				if len(p.idle) != 1 || p.idle[0] != m || p.claimed != 0 || m.container.(*fakeContainer).isDeleted() {
+				if len(p.idle) != 1 || p.idle[0] != m || p.claimed != 0 || p.lent != 0 || m.container.(*fakeContainer).isDeleted() {
 					t.Fatalf("member not given back untouched: idle %v, claimed %d", ids(p.idle), p.claimed)
 				}
 			default:
-				if len(p.idle) != 0 || p.claimed != 0 || !waitDestroyed() {
+				if len(p.idle) != 0 || p.claimed != 0 || p.lent != 0 || !waitDestroyed() {
 					t.Fatalf("a touched member must be destroyed: idle %v, claimed %d", ids(p.idle), p.claimed)
 				}
 			}
@@ -273,6 +273,54 @@ func TestAdoptColdReasons(t *testing.T) {
 				if ops := cg.done(); contains(ops, "delete /tidepool/ctr-1") {
 					t.Fatalf("someone else's cgroup was removed: %v", ops)
 				}
+			}
+		})
+	}
+}
+
+// TestLentMemberCounted: while an adoption checks whether a
+// container may take a member (reading the member's spec from containerd), the pool
+// does not start a replacement, so a member given back (here: an extra mount) does
+// not leave the pool above target for good. Once the container is eligible the
+// member is claimed and the pool refills at once.
+func TestLentMemberCounted(t *testing.T) {
+	for _, eligible := range []bool{false, true} {
+		name := map[bool]string{false: "cold", true: "adopted"}[eligible]
+		t.Run(name, func(t *testing.T) {
+			c, sn, _ := testController(t, Template{Target: 1, Max: 3})
+			p := c.pools["node"][0]
+			mspec, rspec := baseSpec()
+			m := addMember(t, c, sn, mspec, "img", time.Now())
+			needed := true
+			m.container.(*fakeContainer).onSpec = func() { needed = p.needMember() }
+			req := adoptReq(sn, rspec)
+			if !eligible {
+				req.Spec.Mounts = append(req.Spec.Mounts, specs.Mount{Destination: "/host", Source: "/", Type: "bind"})
+			}
+			select { // drop what setting up may have signalled
+			case <-p.changed:
+			default:
+			}
+			a, err := c.Adopt(context.Background(), req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if needed {
+				t.Fatal("the pool would start a replacement for a member still under its eligibility check")
+			}
+			if !eligible {
+				if a.ColdReason != "mounts" || len(p.idle) != 1 || p.lent != 0 || p.needMember() {
+					t.Fatalf("cold %q: idle %d, lent %d, needMember %v; want the member back and nothing to start", a.ColdReason, len(p.idle), p.lent, p.needMember())
+				}
+				return
+			}
+			if a.Member != m.id || len(p.idle) != 0 || p.lent != 0 || p.claimed != 1 || !p.needMember() {
+				t.Fatalf("adopted %q: idle %d, lent %d, claimed %d, needMember %v", a.Member, len(p.idle), p.lent, p.claimed, p.needMember())
+			}
+			select {
+			case <-p.changed:
+			default:
+				t.Fatal("an adoption did not ask the pool to refill")
 			}
 		})
 	}

@@ -81,6 +81,7 @@ type fakeContainer struct {
 	labels  map[string]string
 	task    containerd.Task
 	deleted bool
+	onSpec  func() // runs while Spec is read, as a containerd call would leave time to
 }
 
 func (c *fakeContainer) ID() string { return c.id }
@@ -101,7 +102,12 @@ func (c *fakeContainer) Task(context.Context, cio.Attach) (containerd.Task, erro
 	}
 	return c.task, nil
 }
-func (c *fakeContainer) Spec(context.Context) (*oci.Spec, error) { return clone(c.spec), nil }
+func (c *fakeContainer) Spec(context.Context) (*oci.Spec, error) {
+	if c.onSpec != nil {
+		c.onSpec()
+	}
+	return clone(c.spec), nil
+}
 func (c *fakeContainer) SetLabels(_ context.Context, l map[string]string) (map[string]string, error) {
 	c.mu.Lock()
 	defer c.mu.Unlock()

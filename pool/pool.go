@@ -72,8 +72,11 @@ type Pool struct {
 	ns string // the containerd namespace the members live in
 	c  *Controller
 
-	mu       sync.Mutex
-	idle     []*Member // oldest first
+	mu   sync.Mutex
+	idle []*Member // oldest first
+	// lent: idle members out for an adoption's eligibility check. They count as
+	// present, so that a refill does not replace a member that may come back.
+	lent     int
 	claimed  int
 	starting int
 	waiting  int           // claims waiting for a member of this set
@@ -101,7 +104,7 @@ func (p *Pool) poke() {
 
 func (p *Pool) updateGauges() {
 	p.mu.Lock()
-	idle, claimed, starting := len(p.idle), p.claimed, p.starting
+	idle, claimed, starting := len(p.idle), p.claimed+p.lent, p.starting
 	var oldest float64
 	if idle > 0 {
 		oldest = time.Since(p.idle[0].created).Seconds()
@@ -166,11 +169,13 @@ func (p *Pool) urgent() bool {
 }
 
 // needMember reports whether one more member should start now: below target, with at
-// most two starting at once, and never above max.
+// most two starting at once, and never above max. A member lent to an eligibility
+// check is still the pool's: replacing it would leave one member too many when the
+// check gives it back.
 func (p *Pool) needMember() bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	have := len(p.idle) + p.starting
+	have := len(p.idle) + p.starting + p.lent
 	return have < p.t.Target && p.starting < 2 && have+p.claimed < p.t.Max && !time.Now().Before(p.retryAt)
 }
 
