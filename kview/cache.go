@@ -96,7 +96,7 @@ func (c *Cache) image(ctx context.Context, spec Spec) (string, error) {
 	key := spec.Key()
 	img := c.path(key, ".erofs")
 	if _, err := os.Stat(img); err == nil {
-		if err := c.checkObjects(ctx, spec, key); err == nil {
+		if err := c.checkObjects(ctx, spec, key, nil); err == nil {
 			c.stats.CacheHits.Add(1)
 			now := time.Now()
 			_ = os.Chtimes(img, now, now) // last use, for Collect's grace
@@ -117,26 +117,25 @@ func (c *Cache) image(ctx context.Context, spec Spec) (string, error) {
 	return img, nil
 }
 
-// checkObjects checks that every object in KEY.objects is in the store, unless the
-// size index showed them all and has forgotten nothing since (checked.go).
-func (c *Cache) checkObjects(ctx context.Context, spec Spec, key string) error {
+// checkObjects checks that every object in key's object list is in the store,
+// unless the size index showed them all and has forgotten nothing since
+// (checked.go), and remembers the list as checked if the index knew every object.
+// list is the content of KEY.objects if the caller read it already (derive needs it
+// anyway); nil reads it, and only when the check is not skipped.
+func (c *Cache) checkObjects(ctx context.Context, spec Spec, key string, list []byte) error {
 	od := newObjDirs(c.store)
 	defer od.close()
 	if c.listUnchanged(od, key) {
 		return nil
 	}
-	b, err := os.ReadFile(c.path(key, ".objects"))
-	if err != nil {
-		return err
-	}
-	return c.checkObjectList(ctx, od, spec, key, b)
-}
-
-// checkObjectList checks that every object in b (KEY.objects's content) is in the
-// store, through od, and remembers key's list as checked if the size index knew
-// every object.
-func (c *Cache) checkObjectList(ctx context.Context, od *objDirs, spec Spec, key string, b []byte) error {
 	c.checked.drop(key)
+	b := list
+	if b == nil {
+		var err error
+		if b, err = os.ReadFile(c.path(key, ".objects")); err != nil {
+			return err
+		}
+	}
 	if len(b)%len(casstore.Hash{}) != 0 {
 		return fmt.Errorf("object list %s is truncated: %w", c.path(key, ".objects"), fs.ErrNotExist)
 	}
@@ -268,12 +267,8 @@ func (c *Cache) derive(ctx context.Context, spec Spec, key string, from Spec) (i
 	if err != nil {
 		return 0, err
 	}
-	od := newObjDirs(c.store)
-	defer od.close()
-	if !c.listUnchanged(od, fk) {
-		if err := c.checkObjectList(ctx, od, spec, fk, objs); err != nil {
-			return 0, err
-		}
+	if err := c.checkObjects(ctx, spec, fk, objs); err != nil {
+		return 0, err
 	}
 	slots, err := os.ReadFile(c.path(fk, ".owners"))
 	if err != nil {

@@ -160,22 +160,27 @@ func (p *Pool) maintain(ctx context.Context) {
 	}
 }
 
+// have is how many members the pool has or will have for claims (p.mu held): idle,
+// starting, and lent to an eligibility check, which may give them back (replacing one
+// would leave a member too many).
+func (p *Pool) have() int {
+	return len(p.idle) + p.starting + p.lent
+}
+
 // urgent reports whether a new member must start whatever claims are doing: a claim
 // waits for one, or the pool is below its minimum.
 func (p *Pool) urgent() bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	return p.waiting > 0 || len(p.idle)+p.starting < p.t.Min
+	return p.waiting > 0 || p.have() < p.t.Min
 }
 
 // needMember reports whether one more member should start now: below target, with at
-// most two starting at once, and never above max. A member lent to an eligibility
-// check is still the pool's: replacing it would leave one member too many when the
-// check gives it back.
+// most two starting at once, and never above max.
 func (p *Pool) needMember() bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	have := len(p.idle) + p.starting + p.lent
+	have := p.have()
 	return have < p.t.Target && p.starting < 2 && have+p.claimed < p.t.Max && !time.Now().Before(p.retryAt)
 }
 
