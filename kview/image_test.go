@@ -228,6 +228,106 @@ func TestScanRefusesBadTree(t *testing.T) {
 	}
 }
 
+// TestScanSharedSubtrees: a tree object that appears at several paths (here at
+// three depths, once through a shared parent) is scanned once and shown at every
+// path: the image, read back with go-erofs's reader, holds every path with its size,
+// the counts are per path, and the object list names each object once.
+func TestScanSharedSubtrees(t *testing.T) {
+	s := casstoretest.NewStore(t)
+	lib := map[string]string{"lib/x.go": "package x\n", "lib/y/z.go": "package y\n", "lib/y/w": "w\n"}
+	leaves := map[string]casstoretest.Leaf{"top.txt": casstoretest.File("top\n")}
+	want := map[string]int64{"top.txt": 4}
+	for _, at := range []string{"", "a/", "b/c/d/", "e/a/"} {
+		for p, data := range lib {
+			leaves[at+p] = casstoretest.File(data)
+			want[at+p] = int64(len(data))
+		}
+	}
+	leaves["e/extra"] = casstoretest.File("") // e is not a's parent (the root) again
+	want["e/extra"] = 0
+	root := casstoretest.Build(t, s, leaves)
+	tr, err := Scan(context.Background(), s, Spec{Root: root, UID: 7, GID: 7})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if tr.Files != len(want) || len(tr.objects) != 4 {
+		t.Errorf("scan: %d files, %d objects; want %d files, 4 objects (each once)", tr.Files, len(tr.objects), len(want))
+	}
+	if tr.TreesRead >= tr.Dirs {
+		t.Errorf("scan read %d tree objects for %d directories: shared ones were read again", tr.TreesRead, tr.Dirs)
+	}
+	img := openImage(t, buildImage(t, s, Spec{Root: root, UID: 7, GID: 7}))
+	got := map[string]int64{}
+	dirs := 0
+	err = fs.WalkDir(img, ".", func(p string, d fs.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		if d.IsDir() {
+			dirs++
+			return nil
+		}
+		fi, err := d.Info()
+		if err != nil {
+			return err
+		}
+		got[p] = fi.Size()
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if fmt.Sprint(got) != fmt.Sprint(want) || dirs != tr.Dirs {
+		t.Fatalf("image holds %v in %d directories, want %v in %d", got, dirs, want, tr.Dirs)
+	}
+	compareWithGoErofs(t, tr, "shared subtrees")
+}
+
+// TestScanLimits: a view is held to the walk limits as it expands, every path
+// counted, however its tree objects share subtrees. A tree naming 2^40 paths through
+// shared subtrees fails (expanded, it would not end); so does one deeper than the limit, whether by a
+// chain or by a subtree it also shows higher up (the second path is the deeper one);
+// one exactly at the depth limit scans.
+func TestScanLimits(t *testing.T) {
+	s := casstoretest.NewStore(t)
+	dir := func(name string, h casstore.Hash) casstore.Entry {
+		return casstore.Entry{Mode: casstore.ModeDir, Name: name, Hash: h}
+	}
+	leaf := casstoretest.RawTree(t, s, casstore.Entry{Mode: casstore.ModeFile, Name: "f", Hash: casstoretest.Put(t, s, "x")})
+	bomb := leaf
+	for range 40 {
+		bomb = casstoretest.RawTree(t, s, dir("a", bomb), dir("b", bomb))
+	}
+	chain := func(n int, below casstore.Hash) casstore.Hash {
+		for range n {
+			below = casstoretest.RawTree(t, s, dir("d", below))
+		}
+		return below
+	}
+	limits := casstore.DefaultLimits()
+	shared := chain(10, leaf) // ten levels of directories below it
+	for _, c := range []struct {
+		name string
+		root casstore.Hash
+		ok   bool
+		says string
+	}{
+		{"2^40 paths", bomb, false, "entries"},
+		{"a chain at the limit", chain(limits.MaxDepth, leaf), true, ""},
+		{"a chain past the limit", chain(limits.MaxDepth+1, leaf), false, "deeper"},
+		{"a shared subtree at the limit", casstoretest.RawTree(t, s, dir("a", shared), dir("b", chain(limits.MaxDepth-11, shared))), true, ""},
+		{"a shared subtree past the limit", casstoretest.RawTree(t, s, dir("a", shared), dir("b", chain(limits.MaxDepth-10, shared))), false, "deeper"},
+	} {
+		_, err := Scan(context.Background(), s, Spec{Root: c.root})
+		switch {
+		case c.ok && err != nil:
+			t.Errorf("%s: %v", c.name, err)
+		case !c.ok && (!errors.Is(err, casstore.ErrTreeLimit) || !strings.Contains(fmt.Sprint(err), c.says)):
+			t.Errorf("%s: %v, want ErrTreeLimit (%s)", c.name, err, c.says)
+		}
+	}
+}
+
 // TestScanReadsObjectsWhole covers both ways an object is read (read's single pread
 // into a pooled buffer, and its careful path for anything else): a tree object larger
 // than the buffer scans like a small one, and a tree object whose file is corrupt,
