@@ -97,6 +97,45 @@ func TestKernelViewGoTree(t *testing.T) {
 	}
 }
 
+// TestMountedSeesTheTopMount: only the topmost mount at a directory counts. A view
+// with something mounted over it is not what a walk of the directory finds: it is not
+// mounted there for IsMounted, and unmountView leaves the cover alone, until the cover
+// goes.
+func TestMountedSeesTheTopMount(t *testing.T) {
+	requireKernel(t)
+	s := casstoretest.NewStore(t)
+	dir := mountT(t, newHost(t, s), Spec{Root: fixture(t, s)})
+	if !IsMounted(dir) {
+		t.Fatal("a mounted view is not seen as mounted")
+	}
+	if err := unix.Mount("cover", dir, "tmpfs", 0, "size=64k"); err != nil {
+		t.Fatal(err)
+	}
+	covered := true
+	t.Cleanup(func() {
+		if covered {
+			unix.Unmount(dir, unix.MNT_DETACH)
+		}
+	})
+	if IsMounted(dir) {
+		t.Error("a view under a tmpfs is seen as mounted")
+	}
+	if err := unmountView(dir); err != nil {
+		t.Fatal(err)
+	}
+	var st unix.Statfs_t
+	if err := unix.Statfs(dir, &st); err != nil || st.Type != unix.TMPFS_MAGIC {
+		t.Fatalf("after unmountView: statfs %v, magic %#x: it unmounted the tmpfs over the view", err, st.Type)
+	}
+	if err := unix.Unmount(dir, 0); err != nil {
+		t.Fatal(err)
+	}
+	covered = false
+	if !IsMounted(dir) {
+		t.Error("the view is not seen again once uncovered")
+	}
+}
+
 // TestKernelRootReadDir is the kernel side of TestRootInodeNotZero: the mounted image's
 // root has a non-zero inode and os.ReadDir lists every entry.
 func TestKernelRootReadDir(t *testing.T) {
