@@ -131,11 +131,9 @@ func unmountView(dir string) error {
 // dir counts.
 func mountedAt(dir string) (*Mounted, error) {
 	dir = filepath.Clean(dir)
-	// Every mount at dir, in the order they were stacked: SingleEntryFilter would
-	// stop at the lowest.
-	ms, err := mountinfo.GetMounts(func(m *mountinfo.Info) (skip, stop bool) { return m.Mountpoint != dir, false })
+	ms, err := mountapi.Stack(dir)
 	if err != nil {
-		return nil, fmt.Errorf("read mount table: %w", err)
+		return nil, err
 	}
 	if len(ms) == 0 {
 		return nil, nil

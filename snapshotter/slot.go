@@ -104,7 +104,7 @@ func (s *Snapshotter) ensureSlot(id string) error {
 // the slot is there at all.
 func (s *Snapshotter) slotBound(id string) (bound, present bool, err error) {
 	dir := s.slotDir(id)
-	ms, err := mountinfo.GetMounts(func(m *mountinfo.Info) (skip, stop bool) { return m.Mountpoint != dir, false })
+	ms, err := mountapi.Stack(dir)
 	if err != nil || len(ms) == 0 {
 		return false, false, err
 	}
