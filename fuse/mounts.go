@@ -9,6 +9,8 @@ import (
 	"github.com/containerd/errdefs"
 	"github.com/moby/sys/mountinfo"
 	"golang.org/x/sys/unix"
+
+	"github.com/tidepool-dev/tidepool/internal/mountapi"
 )
 
 // mounts reads the mount table (github.com/moby/sys/mountinfo parses it,
@@ -69,11 +71,11 @@ func Mounts(under string) ([]string, error) {
 
 // topMount returns the fstype of the topmost mount at point, or "" if none.
 func topMount(point string) (string, error) {
-	all, err := mounts(func(m *mountinfo.Info) (skip, stop bool) { return m.Mountpoint != point, false })
+	all, err := mountapi.Stack(point)
 	if err != nil || len(all) == 0 {
 		return "", err
 	}
-	return all[len(all)-1].FSType, nil // later lines are mounted on top of earlier ones
+	return all[len(all)-1].FSType, nil
 }
 
 // UnmountStale detaches the view mounted at dir lazily (MNT_DETACH), so that a

@@ -3,7 +3,8 @@
 // layers an overlay takes, a layer can be given as a file descriptor, and a failure
 // carries the kernel's own message from the filesystem context's log instead of a
 // bare EINVAL. Kernel views (kview) and a warm pool member's slot (snapshotter) both
-// mount this way, and both read what is stacked at their directories with Stack.
+// mount this way; they and the FUSE views read what is stacked at their directories
+// with Stack.
 package mountapi
 
 import (
