@@ -172,8 +172,8 @@ func bakedGoImage(b *testing.B) string {
 // (arrivals; untimed: the round waits for that build, as a turn that starts a moment
 // after the last one ended would not); base, overlayfs. Goal: a tree never mounted
 // before within 1.2x of base. Each arm also reports its excess over base in
-// milliseconds (medianExcess), the same on a host that starts containers in 200 ms
-// or in 400: the ratio of a fixed cost is not.
+// milliseconds (medianExcess): a fixed cost is a smaller ratio of a slower start, so
+// the ratio alone moves with how fast the host starts containers.
 func BenchmarkRunWithNewKernelView(b *testing.B) {
 	s := stack.Start(b, stack.Options{Metrics: true})
 	s.C.ImportImage(b, imagebuild.BusyboxArchive(b).Path, imagebuild.BusyboxRef, "tidepool", "overlayfs")
@@ -290,9 +290,9 @@ func BenchmarkRunWithNewKernelView(b *testing.B) {
 
 // medianExcess is the median over rounds of how much longer a view's run took than
 // the same round's overlayfs run: what a view adds to a container's start, in
-// milliseconds, which (unlike the ratio) does not move with how fast the host starts
-// containers. A round's runs are a few seconds apart, so pairing them also takes
-// out what drifts from round to round.
+// milliseconds: unlike the ratio, it does not shrink when the host starts containers
+// more slowly. A round's runs are seconds apart, so pairing them also takes out what
+// drifts from round to round.
 func medianExcess(view, base []time.Duration) time.Duration {
 	d := make([]time.Duration, len(view))
 	for i := range view {
