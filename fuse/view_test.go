@@ -428,8 +428,15 @@ func corrupt(tb testing.TB, path string) {
 // object files views keep. Every descriptor of the test process would also count
 // what the test process opens or closes meanwhile for other reasons (a fresh-clone
 // run once saw that total move by one either way).
+//
+// dir is resolved first: the kernel names a descriptor's file by its real path, so a
+// store under a symlinked TMPDIR would otherwise match nothing and the count stay 0.
 func objectFDs(tb testing.TB, dir string) int {
 	tb.Helper()
+	dir, err := filepath.EvalSymlinks(dir)
+	if err != nil {
+		tb.Fatal(err)
+	}
 	ents, err := os.ReadDir("/proc/self/fd")
 	if err != nil {
 		tb.Fatal(err)
