@@ -174,6 +174,19 @@ func reachable(t *testing.T, s *casstore.Store, root casstore.Hash) map[casstore
 	return seen
 }
 
+// objectBytes reads object h of s through the store, as every reader does: a pull
+// returns once its journal is durable and its objects reach their names in the
+// background (casstore's late.go), so a file read by path right after it may not be
+// there yet.
+func objectBytes(t *testing.T, s *casstore.Store, h casstore.Hash) []byte {
+	t.Helper()
+	b, err := s.ReadAll(h, 1<<30)
+	if err != nil {
+		t.Fatalf("read object %s: %v", h, err)
+	}
+	return b
+}
+
 // checkComplete fscks s with root as a live root: every object re-hashed, every
 // reachable object present.
 func checkComplete(t *testing.T, s *casstore.Store, roots ...casstore.Hash) {
@@ -242,10 +255,8 @@ func TestPushPullRoundTrip(t *testing.T) {
 	}
 	checkComplete(t, b, root)
 	for h := range want {
-		x, _ := os.ReadFile(a.Path(h))
-		y, err := os.ReadFile(b.Path(h))
-		if err != nil || !bytes.Equal(x, y) {
-			t.Fatalf("object %s differs after the round trip: %v", h, err)
+		if x, y := objectBytes(t, a, h), objectBytes(t, b, h); !bytes.Equal(x, y) {
+			t.Fatalf("object %s differs after the round trip", h)
 		}
 	}
 	pr, err = r.Pull(ctx, b, root)
@@ -324,7 +335,7 @@ func TestBucketLayout(t *testing.T) {
 			if got := casstore.Sum(body).String(); got != parts[1]+parts[2] {
 				t.Fatalf("blob %q holds bytes hashing to %s", k, got)
 			}
-			if local, _ := os.ReadFile(s.Path(casstore.Sum(body))); !bytes.Equal(local, body) {
+			if local := objectBytes(t, s, casstore.Sum(body)); !bytes.Equal(local, body) {
 				t.Fatalf("blob %q differs from the local object", k)
 			}
 			blobs++
@@ -335,7 +346,7 @@ func TestBucketLayout(t *testing.T) {
 				t.Fatalf("pack %q: root %s base %s, %d entries; want root, no base, 5", k, head.root, head.base, len(ents))
 			}
 			for h, b := range ents {
-				if local, _ := os.ReadFile(s.Path(h)); !bytes.Equal(local, b) {
+				if local := objectBytes(t, s, h); !bytes.Equal(local, b) {
 					t.Fatalf("pack entry %s differs from the local object", h)
 				}
 			}
