@@ -3,7 +3,6 @@ package fuse
 import (
 	"errors"
 	"fmt"
-	"path/filepath"
 	"sort"
 
 	"github.com/containerd/errdefs"
@@ -23,28 +22,11 @@ func mounts(filter mountinfo.FilterFunc) ([]*mountinfo.Info, error) {
 	return all, nil
 }
 
-// resolveDir makes dir absolute and resolves symlinks in its parent only: the
-// directory itself may be a dead FUSE mount that cannot be stat'ed (ENOTCONN).
-func resolveDir(dir string) (string, error) {
-	abs, err := filepath.Abs(dir)
-	if err != nil {
-		return "", err
-	}
-	if abs == "/" {
-		return abs, nil
-	}
-	parent, err := filepath.EvalSymlinks(filepath.Dir(abs))
-	if err != nil {
-		return "", err
-	}
-	return filepath.Join(parent, filepath.Base(abs)), nil
-}
-
 // Mounts lists the views mounted at or below under (fstype fuse.tidepool), sorted so
 // that a mount comes after any mount below it: unmounting in order never meets a
 // busy parent. A daemon calls it at start to clean up after a crash.
 func Mounts(under string) ([]string, error) {
-	base, err := resolveDir(under)
+	base, err := mountapi.Mountpoint(under)
 	if err != nil {
 		return nil, fmt.Errorf("list views under %s: %w", under, err)
 	}
@@ -92,7 +74,7 @@ func UnmountStale(dir string) error {
 // and with errdefs.ErrNotFound if no view is mounted there. The serving process
 // notices and exits.
 func UnmountDir(dir string) error {
-	p, err := resolveDir(dir)
+	p, err := mountapi.Mountpoint(dir)
 	if err != nil {
 		return fmt.Errorf("unmount %s: %w", dir, err)
 	}
@@ -107,7 +89,7 @@ func UnmountDir(dir string) error {
 }
 
 func unmountOurs(dir string, flags int) error {
-	p, err := resolveDir(dir)
+	p, err := mountapi.Mountpoint(dir)
 	if err != nil {
 		return fmt.Errorf("unmount %s: %w", dir, err)
 	}

@@ -130,7 +130,6 @@ func unmountView(dir string) error {
 // mountedAt returns the kernel view mounted at dir, or nil. Only the topmost mount at
 // dir counts.
 func mountedAt(dir string) (*Mounted, error) {
-	dir = filepath.Clean(dir)
 	ms, err := mountapi.Stack(dir)
 	if err != nil {
 		return nil, err
@@ -172,7 +171,10 @@ func validKey(s string) bool {
 
 // List returns the kernel views mounted at or under dir.
 func List(dir string) ([]Mounted, error) {
-	dir = filepath.Clean(dir)
+	dir, err := mountapi.Mountpoint(dir)
+	if err != nil {
+		return nil, err
+	}
 	ms, err := mountinfo.GetMounts(mountinfo.PrefixFilter(dir))
 	if err != nil {
 		return nil, fmt.Errorf("read mount table: %w", err)

@@ -21,7 +21,7 @@ const DefaultRoot = "/var/lib/tidepool"
 // containerd built with Tidepool as a built-in reads it from
 // [plugins.'dev.tidepool.core.v1.tidepool'].
 type Config struct {
-	Root           string `toml:"root" comment:"State directory: cas/ (objects), forks.db, metadata.db, snapshots/, views/.\nIn a containerd built-in, empty means the plugin's root under containerd's root."`
+	Root           string `toml:"root" comment:"State directory: cas/ (objects), forks.db, metadata.db, snapshots/, views/.\nIn a containerd built-in, empty means the plugin's root under containerd's root.\nA path through a symbolic link is used by its real path (the one the mount table shows)."`
 	Address        string `toml:"address" comment:"Unix socket the snapshotter's gRPC service listens on (tidepoold only).\nPoint containerd's [proxy_plugins.tidepool] address here."`
 	APIAddress     string `toml:"api_address" comment:"Unix socket of the local API (forks, bind, pools) used by the tidepool CLI and the shim."`
 	MetricsAddress string `toml:"metrics_address" comment:"TCP address serving Prometheus metrics at /metrics; empty disables."`

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
 	"path/filepath"
 	"sync"
 	"time"
@@ -36,11 +37,32 @@ type Core struct {
 	once   sync.Once
 }
 
+// realRoot creates root if it is missing (0700, as the store would) and returns its
+// real path. Everything under the root is found again in the kernel's mount table
+// (views adopted after a restart, a view's or a slot's stack, what a dead process left
+// mounted), which names real paths: a root configured through a symbolic link (a
+// /var/lib that links to a data disk) must be used by the path the table shows.
+func realRoot(root string) (string, error) {
+	if err := os.MkdirAll(root, 0o700); err != nil {
+		return "", fmt.Errorf("create root %s: %w", root, err)
+	}
+	real, err := filepath.EvalSymlinks(root)
+	if err != nil {
+		return "", fmt.Errorf("resolve root %s: %w", root, err)
+	}
+	return real, nil
+}
+
 // NewCore opens everything under cfg.Root and starts background upkeep.
 func NewCore(ctx context.Context, cfg *Config) (_ *Core, retErr error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
+	root, err := realRoot(cfg.Root)
+	if err != nil {
+		return nil, err
+	}
+	cfg.Root = root
 	uid, gid, _ := binding.ParseOwner(cfg.Snapshotter.DefaultOwner)
 	store, err := casstore.Open(cfg.StorePath())
 	if err != nil {

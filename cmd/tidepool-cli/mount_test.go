@@ -442,3 +442,55 @@ func TestMountKernelMode(t *testing.T) {
 		t.Fatalf("auto's FUSE view: %q %v", b, err)
 	}
 }
+
+// TestMountKernelModeRelativeDir: DIR given relative to the working directory and
+// through a symbolic link names the same view as its real path: a second mount there
+// is refused rather than stacked, and umount finds the view.
+func TestMountKernelModeRelativeDir(t *testing.T) {
+	e := newCLIEnv(t)
+	if err := kview.Probe(t.TempDir()); err != nil {
+		t.Skip(err)
+	}
+	base, err := filepath.EvalSymlinks(t.TempDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	real := filepath.Join(base, "real", "view")
+	if err := os.MkdirAll(real, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink("real", filepath.Join(base, "link")); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		for range 4 { // the bug this catches stacks views
+			if syscall.Unmount(real, syscall.MNT_DETACH) != nil {
+				return
+			}
+		}
+	})
+	run := func(args ...string) (string, error) {
+		cmd := e.command(args...)
+		cmd.Dir = base
+		out, err := cmd.CombinedOutput()
+		return string(out), err
+	}
+	if out, err := run("mount", "--mode", "kernel", "demo", "link/view"); err != nil {
+		t.Fatalf("mount --mode kernel link/view: %v: %s", err, out)
+	}
+	if !kview.IsMounted(real) {
+		t.Fatal("no kernel view mounted at the directory's real path")
+	}
+	if out, err := run("mount", "--mode", "kernel", "demo", "link/view"); err == nil || !strings.Contains(out, "already mounted") {
+		t.Errorf("second mount at the same relative DIR: %v, %q; want it refused", err, out)
+	}
+	if ms, err := mountinfo.GetMounts(func(m *mountinfo.Info) (skip, stop bool) { return m.Mountpoint != real, false }); err != nil || len(ms) != 1 {
+		t.Errorf("%d mounts at %s (%v), want 1", len(ms), real, err)
+	}
+	if out, err := run("umount", "link/view"); err != nil {
+		t.Fatalf("umount link/view: %v: %s", err, out)
+	}
+	if kview.IsMounted(real) {
+		t.Error("kernel view still mounted after umount by a relative DIR")
+	}
+}

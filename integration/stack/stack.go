@@ -86,6 +86,10 @@ type Options struct {
 	// Prepare, if set, adjusts the containerd options once the stack's paths (API
 	// socket, directory) are known and before containerd starts.
 	Prepare func(s *Stack, o *harness.Options)
+	// RootLink gives tidepoold its root through a symbolic link (Root links to
+	// Root + ".real"), as on a host whose /var/lib links to a data disk: the kernel's
+	// mount table shows the real path.
+	RootLink bool
 }
 
 // Stack is one running Tidepool stack.
@@ -114,6 +118,14 @@ func Start(t testing.TB, opts Options) *Stack {
 	s := &Stack{
 		Dir: dir, Root: filepath.Join(dir, "root"), Bin: bin,
 		SnapAddress: filepath.Join(dir, "snap.sock"), APIAddress: filepath.Join(dir, "api.sock"),
+	}
+	if opts.RootLink {
+		if err := os.Mkdir(s.Root+".real", 0o700); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Symlink(filepath.Base(s.Root)+".real", s.Root); err != nil {
+			t.Fatal(err)
+		}
 	}
 	t.Cleanup(func() {
 		if left, _ := harness.MountsUnder(dir); len(left) > 0 {
