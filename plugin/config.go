@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 	"time"
 
 	"github.com/pelletier/go-toml/v2"
@@ -178,6 +179,12 @@ func (c *Config) Validate() error {
 	if c.Root == "" || !filepath.IsAbs(c.Root) {
 		return fmt.Errorf("config: root %q must be an absolute path", c.Root)
 	}
+	if err := checkLayerPath("root", c.Root); err != nil {
+		return err
+	}
+	if err := checkLayerPath("store.path", c.Store.Path); err != nil {
+		return err
+	}
 	if _, err := binding.ParseWorkdir(c.Snapshotter.DefaultWorkdir); err != nil {
 		return fmt.Errorf("config: snapshotter.default_workdir: %w", err)
 	}
@@ -196,6 +203,18 @@ func (c *Config) Validate() error {
 	case "", snapshotter.LayeringDirect, snapshotter.LayeringNested:
 	default:
 		return fmt.Errorf("config: views.layering %q: want %q or %q", c.Views.Layering, snapshotter.LayeringDirect, snapshotter.LayeringNested)
+	}
+	return nil
+}
+
+// checkLayerPath refuses a directory path that overlayfs mount options cannot carry.
+// A container's rootfs mount names layers under the root (and, for a kernel view
+// layered directly, the store) in one option string, the way containerd passes it
+// to mount(2): ',' ends an option there and ':' a layer, so such a path would fail
+// every container's mount with a bare "invalid argument".
+func checkLayerPath(key, p string) error {
+	if i := strings.IndexAny(p, ",:"); i >= 0 {
+		return fmt.Errorf("config: %s %q: a path with %q cannot be an overlayfs layer (mount options separate with ',' and layers with ':')", key, p, p[i])
 	}
 	return nil
 }

@@ -62,6 +62,9 @@ func NewCore(ctx context.Context, cfg *Config) (_ *Core, retErr error) {
 	if err != nil {
 		return nil, err
 	}
+	if err := checkLayerPath("root", root); err != nil {
+		return nil, fmt.Errorf("%w (its real path)", err)
+	}
 	cfg.Root = root
 	uid, gid, _ := binding.ParseOwner(cfg.Snapshotter.DefaultOwner)
 	store, err := casstore.Open(cfg.StorePath())
