@@ -35,14 +35,19 @@ func TestRootThroughSymlink(t *testing.T) {
 		return // the rest is about kernel views, which outlive tidepoold
 	}
 
+	// The container reads and writes until the test, its restarts done, tells it to
+	// stop; it prints how many rounds it ran.
 	script := `set -e
 touch /app/started
-for r in $(seq 1 40); do
+r=0
+until [ -e /app/stop ]; do
+  r=$((r+1))
   [ "$(cat /app/src/a.txt)" = alpha ] || { echo "round $r: read failed"; exit 1; }
   echo "round $r" > /app/r$r
+  [ $r -lt 1500 ] || { echo "never told to stop"; exit 1; }
   sleep 0.2
 done
-echo ok`
+echo "ok $r"`
 	done := make(chan error, 1)
 	var runOut string
 	go func() {
@@ -85,15 +90,26 @@ echo ok`
 			t.Fatalf("after restart %d: %d kernel views mounted, want the one adopted: %v", i, len(v), v)
 		}
 	}
-	if err := <-done; err != nil || !strings.HasSuffix(runOut, "ok\n") {
+	if out, err := s.Ctr("task", "exec", "--exec-id", "stop", "--fifo-dir", s.C.FIFODir, "link-live", "touch", "/app/stop"); err != nil {
+		t.Fatalf("tell the container to stop: %v\n%s", err, out)
+	}
+	var rounds int
+	if err := <-done; err != nil {
 		t.Fatalf("container: %v, output %q", err, runOut)
 	}
+	i := strings.LastIndex(runOut, "ok ")
+	if i < 0 {
+		t.Fatalf("container output %q: no rounds", runOut)
+	}
+	if _, err := fmt.Sscanf(runOut[i:], "ok %d", &rounds); err != nil || rounds < 1 {
+		t.Fatalf("container output %q: %v", runOut, err)
+	}
 	f := forkOfContainer(t, s, "link-live", root)
-	expect := map[string]string{"started": ""}
+	expect := map[string]string{"started": "", "stop": ""}
 	for p, c := range files {
 		expect[p] = c
 	}
-	for r := 1; r <= 40; r++ {
+	for r := 1; r <= rounds; r++ {
 		expect[fmt.Sprintf("r%d", r)] = fmt.Sprintf("round %d\n", r)
 	}
 	if re := s.Ingest(t, writeTree(t, expect)); re != f.Root.String() {
