@@ -62,9 +62,17 @@ func EROFS(_ context.Context, root string, k KernelVersion) Check {
 		return failed(c, Degraded, err)
 	}
 	if err := s.mount(img, s.path("m"), "erofs", unix.MS_RDONLY, ""); err != nil {
+		fs, magic := filesystemOf(root)
 		why := "file-backed mounts need >= " + erofsFile
-		if errors.Is(err, unix.ENODEV) {
+		switch {
+		case errors.Is(err, unix.ENODEV):
 			why = "the erofs module did not load"
+		case errors.Is(err, unix.ENOTBLK) && k.atLeast(erofsFile) && noFileBackedEROFS[magic]:
+			// The kernel has file-backed EROFS; the root's filesystem cannot back it.
+			c.Fix = fmt.Sprintf("put the root on a disk filesystem (ext4, xfs, btrfs), not %s; until then views are served by FUSE", fs)
+			why = fmt.Sprintf("the root %s is on %s, which cannot back an EROFS image file", root, fs)
+		case errors.Is(err, unix.ENOTBLK) && k.atLeast(erofsFile):
+			why = fmt.Sprintf("this kernel lacks CONFIG_EROFS_FS_BACKED_BY_FILE, or the root's filesystem (%s) cannot back an image file", fs)
 		}
 		return failed(c, Missing, fmt.Errorf("%w (kernel %s; %s)", err, k.Release, why))
 	}

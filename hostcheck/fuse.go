@@ -89,10 +89,8 @@ func TrustedXattrs(root string) Check {
 	if err != nil || string(buf[:n]) != probeData {
 		return failed(c, Missing, fmt.Errorf("getxattr trusted.tidepool.probe on %s: %q, %v", root, buf[:max(n, 0)], err))
 	}
-	var st unix.Statfs_t
-	fsName := ""
-	if unix.Statfs(root, &st) == nil {
-		fsName = fmt.Sprintf(" (filesystem magic %#x)", st.Type)
+	if fs, _ := filesystemOf(root); fs != "" {
+		return ok(c.Name, root+" ("+fs+")")
 	}
-	return ok(c.Name, root+fsName)
+	return ok(c.Name, root)
 }

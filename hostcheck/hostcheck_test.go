@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -125,5 +126,47 @@ func TestNotRootNeverOK(t *testing.T) {
 	c := notProbed(Check{Name: "x", Fix: "f"}, errNotRoot)
 	if c.OK() || !strings.Contains(c.Fix, "root") {
 		t.Fatalf("%+v", c)
+	}
+}
+
+// A root on tmpfs or overlayfs, which cannot back an EROFS image file, fails the
+// EROFS check naming that filesystem and what to do, not the kernel's version.
+func TestEROFSNamesARootThatCannotBackImages(t *testing.T) {
+	requireRoot(t)
+	k := Kernel()
+	if !k.atLeast(erofsFile) {
+		t.Skipf("kernel %s has no file-backed EROFS", k.Release)
+	}
+	if c := EROFS(context.Background(), t.TempDir(), k); !c.OK() {
+		t.Skipf("EROFS from a file fails here on the test's own filesystem too: %+v", c)
+	}
+	base := t.TempDir()
+	// Named so that no path can spell what the messages must say.
+	tmp := filepath.Join(base, "t")
+	ovl := filepath.Join(base, "o")
+	for _, d := range []string{tmp, ovl, filepath.Join(base, "l"), filepath.Join(base, "u"), filepath.Join(base, "w")} {
+		if err := os.Mkdir(d, 0o700); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := unix.Mount("tmpfs", tmp, "tmpfs", 0, "size=1m"); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { unix.Unmount(tmp, unix.MNT_DETACH) })
+	opts := fmt.Sprintf("lowerdir=%s,upperdir=%s,workdir=%s", filepath.Join(base, "l"), filepath.Join(base, "u"), filepath.Join(base, "w"))
+	if err := unix.Mount("overlay", ovl, "overlay", 0, opts); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { unix.Unmount(ovl, unix.MNT_DETACH) })
+	for _, c := range []struct{ root, fs string }{{tmp, "tmpfs"}, {ovl, "overlayfs"}} {
+		got := EROFS(context.Background(), c.root, k)
+		if got.Status != Missing || !strings.Contains(got.Detail, "is on "+c.fs+", which cannot back an EROFS image file") ||
+			strings.Contains(got.Detail, "need >=") || !strings.Contains(got.Fix, "not "+c.fs) {
+			t.Errorf("EROFS check with the root on %s: %+v", c.fs, got)
+		}
+		err := KernelViews(context.Background(), c.root)
+		if err == nil || !errors.Is(err, ErrUnsupported) || !strings.Contains(err.Error(), c.fs) {
+			t.Errorf("KernelViews with the root on %s: %v, want ErrUnsupported naming it", c.fs, err)
+		}
 	}
 }

@@ -36,7 +36,10 @@ func newScratch() (*scratch, error) {
 
 func (s *scratch) mount(source, target, fstype string, flags uintptr, data string) error {
 	if err := unix.Mount(source, target, fstype, flags, data); err != nil {
-		return fmt.Errorf("mount -t %s -o %s: %w", fstype, data, err)
+		if data == "" {
+			return fmt.Errorf("mount -t %s %s: %w", fstype, source, err)
+		}
+		return fmt.Errorf("mount -t %s -o %s %s: %w", fstype, data, source, err)
 	}
 	s.mounts = append(s.mounts, target)
 	return nil

@@ -51,7 +51,7 @@ func mountErofs(image string) (int, error) {
 		case errors.Is(err, unix.ENODEV):
 			err = fmt.Errorf("%w (EROFS is not in this kernel: CONFIG_EROFS_FS)", err)
 		case errors.Is(err, unix.ENOTBLK), errors.Is(err, unix.EINVAL):
-			err = fmt.Errorf("%w (EROFS cannot mount an image file: needs kernel >= 6.12 with CONFIG_EROFS_FS_BACKED_BY_FILE)", err)
+			err = fmt.Errorf("%w (EROFS cannot mount an image file: needs kernel >= 6.12 with CONFIG_EROFS_FS_BACKED_BY_FILE, and the image on a filesystem that can back it: ext4, xfs or btrfs, not tmpfs or overlayfs)", err)
 		}
 		return -1, fmt.Errorf("mount image %s: %w", image, err)
 	}
