@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
 	"path/filepath"
 
 	"github.com/containerd/errdefs"
@@ -80,6 +81,12 @@ func (h *Host) mount(ctx context.Context, dir string, spec Spec, imageOnly bool)
 		return fmt.Errorf("kernel view at %s: a kernel view needs its tree at mount (no late binding): %w", dir, errdefs.ErrInvalidArgument)
 	}
 	dir = filepath.Clean(dir)
+	// Before any image is built for it: a view is attached to a directory.
+	if st, err := os.Stat(dir); err != nil {
+		return fmt.Errorf("kernel view at %s: %w", dir, err)
+	} else if !st.IsDir() {
+		return fmt.Errorf("kernel view at %s: not a directory: %w", dir, errdefs.ErrInvalidArgument)
+	}
 	if IsMounted(dir) {
 		return fmt.Errorf("a kernel view is already mounted at %s: %w", dir, errdefs.ErrAlreadyExists)
 	}

@@ -445,7 +445,8 @@ func TestMountKernelMode(t *testing.T) {
 
 // TestMountKernelModeRelativeDir: DIR given relative to the working directory and
 // through a symbolic link names the same view as its real path: a second mount there
-// is refused rather than stacked, and umount finds the view.
+// is refused rather than stacked, and umount finds the view. A DIR that is a file is
+// refused as one.
 func TestMountKernelModeRelativeDir(t *testing.T) {
 	e := newCLIEnv(t)
 	if err := kview.Probe(t.TempDir()); err != nil {
@@ -474,6 +475,16 @@ func TestMountKernelModeRelativeDir(t *testing.T) {
 		cmd.Dir = base
 		out, err := cmd.CombinedOutput()
 		return string(out), err
+	}
+	// A DIR that is not a directory is refused before any image is built for it.
+	if err := os.WriteFile(filepath.Join(base, "real", "file"), nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if out, err := run("mount", "--mode", "kernel", "demo", "link/file"); err == nil || !strings.Contains(out, "not a directory") {
+		t.Errorf("mount --mode kernel onto a file: %v, %q; want it refused as not a directory", err, out)
+	}
+	if ents, _ := os.ReadDir(filepath.Join(e.root, "kview", "images")); len(ents) != 0 {
+		t.Errorf("an image was built for a mount onto a file: %v", ents)
 	}
 	if out, err := run("mount", "--mode", "kernel", "demo", "link/view"); err != nil {
 		t.Fatalf("mount --mode kernel link/view: %v: %s", err, out)
