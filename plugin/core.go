@@ -32,6 +32,7 @@ type Core struct {
 	// Remote is the shared bucket ([remote]); nil when none is configured.
 	Remote *remote.Remote
 
+	gc     *gcMetrics
 	cancel context.CancelFunc
 	wg     sync.WaitGroup
 	once   sync.Once
@@ -124,7 +125,7 @@ func NewCore(ctx context.Context, cfg *Config) (_ *Core, retErr error) {
 		return nil, err
 	}
 	bg, cancel := context.WithCancel(context.WithoutCancel(ctx))
-	c := &Core{Config: cfg, Store: store, Forks: db, Views: views, Snapshotter: sn, Remote: rm, cancel: cancel}
+	c := &Core{Config: cfg, Store: store, Forks: db, Views: views, Snapshotter: sn, Remote: rm, gc: newGCMetrics(), cancel: cancel}
 	views.CollectImages(ctx) // images of views that went while no daemon ran
 	c.every(bg, time.Duration(cfg.Maintenance.ForkSweepInterval), c.sweepForks)
 	c.every(bg, time.Hour, c.sweepTemp)
@@ -137,14 +138,20 @@ func NewCore(ctx context.Context, cfg *Config) (_ *Core, retErr error) {
 func (c *Core) collectGarbage(ctx context.Context) {
 	kernelRoots, err := c.Views.KernelRoots()
 	if err != nil {
+		c.gc.runs.WithLabelValues("skipped").Inc()
 		log.G(ctx).WithError(err).Warn("garbage collection skipped: cannot list the roots of mounted kernel views")
 		return
 	}
+	c.gc.viewRoots.Set(float64(len(kernelRoots)))
 	res, err := gc.Collect(ctx, c.Store, c.Forks, gc.Options{Grace: time.Duration(c.Config.Maintenance.GCGrace), Roots: kernelRoots})
 	if err != nil {
+		c.gc.runs.WithLabelValues("failed").Inc()
 		log.G(ctx).WithError(err).Warn("garbage collection failed")
 		return
 	}
+	c.gc.runs.WithLabelValues("ok").Inc()
+	c.gc.swept.Add(float64(res.Swept))
+	c.gc.freed.Add(float64(res.BytesFreed))
 	log.G(ctx).WithField("swept", res.Swept).WithField("bytes", res.BytesFreed).WithField("marked", res.Marked).Info("garbage collected")
 }
 
@@ -188,7 +195,7 @@ func (c *Core) sweepTemp(ctx context.Context) {
 
 // Collectors are the Prometheus collectors of the core's components.
 func (c *Core) Collectors() []prometheus.Collector {
-	cs := []prometheus.Collector{c.Snapshotter.Metrics(), c.Views.Collector()}
+	cs := []prometheus.Collector{c.Snapshotter.Metrics(), c.Views.Collector(), c.gc}
 	if c.Remote != nil {
 		cs = append(cs, c.Remote.Metrics())
 	}

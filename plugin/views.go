@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io/fs"
+	"os"
 	"path/filepath"
 	"sync"
 	"time"
@@ -51,6 +53,12 @@ type ViewHost struct {
 
 	kernel    *kview.Host // nil: no kernel views (mode fuse, or auto on a kernel without support)
 	kernelErr error       // why kernel is nil in auto mode
+
+	// images is the image cache opened without a kernel host (see imageCache): kernel
+	// views mounted by an earlier process or by `tidepool mount` stay mounted whatever
+	// mode this process serves, and their objects and images must be kept all the same.
+	imagesMu sync.Mutex
+	images   *kview.Cache
 
 	mu       sync.Mutex
 	views    map[string]*fuse.View
@@ -110,22 +118,55 @@ func (h *ViewHost) Mode() string {
 // Kernel returns the kernel view host, nil when kernel views are not in use.
 func (h *ViewHost) Kernel() *kview.Host { return h.kernel }
 
-// KernelRoots are the roots shown by mounted kernel views, which garbage collection
-// must keep whatever else references them.
-func (h *ViewHost) KernelRoots() ([]casstore.Hash, error) {
-	if h.kernel == nil {
-		return nil, nil
+// imageCache returns the kernel views' image cache under the root: the kernel host's,
+// or, when this process serves no kernel views (views.mode = "fuse", or a kernel
+// probe that failed at start), one opened on the same directory, so that the kernel
+// views still mounted from it (adopted after a restart, or mounted by `tidepool
+// mount`) keep their objects and images. nil when no image was ever built here.
+func (h *ViewHost) imageCache() (*kview.Cache, error) {
+	if h.kernel != nil {
+		return h.kernel.Cache(), nil
 	}
-	return h.kernel.Cache().MountedRoots()
+	h.imagesMu.Lock()
+	defer h.imagesMu.Unlock()
+	if h.images != nil {
+		return h.images, nil
+	}
+	dir := filepath.Join(h.root, "kview", "images")
+	if _, err := os.Stat(dir); errors.Is(err, fs.ErrNotExist) {
+		return nil, nil // looked for again next time: `tidepool mount` may build one
+	} else if err != nil {
+		return nil, fmt.Errorf("kernel view image cache: %w", err)
+	}
+	c, err := kview.NewCache(dir, h.store, nil)
+	if err != nil {
+		return nil, err
+	}
+	h.images = c
+	return c, nil
+}
+
+// KernelRoots are the roots shown by mounted kernel views, which garbage collection
+// must keep whatever else references them, in every view mode.
+func (h *ViewHost) KernelRoots() ([]casstore.Hash, error) {
+	c, err := h.imageCache()
+	if c == nil || err != nil {
+		return nil, err
+	}
+	return c.MountedRoots()
 }
 
 // CollectImages removes cached kernel view images no mounted view has used for
 // kview.DefaultGrace.
 func (h *ViewHost) CollectImages(ctx context.Context) {
-	if h.kernel == nil {
+	c, err := h.imageCache()
+	if c == nil {
+		if err != nil {
+			log.G(ctx).WithError(err).Warn("collecting kernel view images failed")
+		}
 		return
 	}
-	if n, err := h.kernel.Cache().Collect(ctx, kview.DefaultGrace); err != nil {
+	if n, err := c.Collect(ctx, kview.DefaultGrace); err != nil {
 		log.G(ctx).WithError(err).Warn("collecting kernel view images failed")
 	} else if n > 0 {
 		log.G(ctx).WithField("images", n).Debug("collected unused kernel view images")
