@@ -35,6 +35,8 @@ type Check struct {
 	Fix string `json:"fix,omitempty"`
 	// Required is set for hard requirements: Tidepool cannot run without them.
 	Required bool `json:"required"`
+
+	err error // the probe's error, for KernelViews to tell a full root from a host without support
 }
 
 // OK reports whether the check passed.
@@ -98,9 +100,11 @@ func probeDir(root string) (string, error) {
 func KernelViews(ctx context.Context, root string) error {
 	k := Kernel()
 	var missing []string
+	rootFull := false
 	for _, c := range []Check{OverlayDataOnly(ctx, k), EROFS(ctx, root, k), TrustedXattrs(root)} {
 		if !c.OK() {
 			missing = append(missing, fmt.Sprintf("%s: %s (%s)", c.Name, c.Status, c.Detail))
+			rootFull = rootFull || full(c.err)
 		}
 	}
 	if len(missing) == 0 {
@@ -112,13 +116,22 @@ func KernelViews(ctx context.Context, root string) error {
 		}
 		if err != nil {
 			missing = append(missing, fmt.Sprintf("a one-file kernel view: %v", err))
+			rootFull = full(err)
 		}
 	}
-	if len(missing) > 0 {
+	switch {
+	case len(missing) > 0 && rootFull:
+		return fmt.Errorf("kernel views unavailable: %s: %w", strings.Join(missing, "; "), ErrRootFull)
+	case len(missing) > 0:
 		return fmt.Errorf("kernel views unavailable: %s: %w", strings.Join(missing, "; "), ErrUnsupported)
 	}
 	return nil
 }
 
-// ErrUnsupported is wrapped by KernelViews' error.
+// ErrUnsupported is wrapped by KernelViews' error when the host lacks something.
 var ErrUnsupported = errors.New("host does not support it")
+
+// ErrRootFull is wrapped by KernelViews' error when a probe could not write under the
+// root because its filesystem is full: the host may support kernel views, but no
+// image can be written there now.
+var ErrRootFull = errors.New("the root's filesystem is full: free space on it")

@@ -170,3 +170,34 @@ func TestEROFSNamesARootThatCannotBackImages(t *testing.T) {
 		}
 	}
 }
+
+// A root whose filesystem is full fails the checks that write there as degraded, with
+// a fix that says to free space, not to change the kernel; KernelViews wraps
+// ErrRootFull, not ErrUnsupported: the host may well support kernel views.
+func TestKernelViewsOnAFullRoot(t *testing.T) {
+	requireRoot(t)
+	root := t.TempDir()
+	if err := unix.Mount("tmpfs", root, "tmpfs", 0, "size=64k"); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { unix.Unmount(root, unix.MNT_DETACH) })
+	f, err := os.Create(filepath.Join(root, "filler"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for buf := make([]byte, 4096); err == nil; {
+		_, err = f.Write(buf)
+	}
+	f.Close()
+	if !errors.Is(err, unix.ENOSPC) {
+		t.Fatalf("filling the root: %v", err)
+	}
+	c := EROFS(context.Background(), root, Kernel())
+	if c.Status != Degraded || !strings.Contains(c.Detail, "no space left") || !strings.Contains(c.Fix, "free space") || strings.Contains(c.Fix, "kernel >=") {
+		t.Errorf("EROFS check on a full root: %+v", c)
+	}
+	err = KernelViews(context.Background(), root)
+	if !errors.Is(err, ErrRootFull) || errors.Is(err, ErrUnsupported) || !strings.Contains(err.Error(), "no space left") {
+		t.Errorf("KernelViews on a full root: %v, want ErrRootFull naming the write that failed", err)
+	}
+}

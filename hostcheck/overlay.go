@@ -2,6 +2,7 @@ package hostcheck
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 
@@ -82,10 +83,21 @@ func OverlayDataOnly(_ context.Context, k KernelVersion) Check {
 	return ok(c.Name, "lowerdir=meta::data with metacopy=on serves a redirected file's data")
 }
 
-// failed fills in a check that did not pass.
+// failed fills in a check that did not pass. A probe that could not write its scratch
+// files because the filesystem is full says so: the host may well have what the check
+// is about, and the fix is space, not a kernel.
 func failed(c Check, st Status, err error) Check {
-	c.Status, c.Detail = st, err.Error()
+	c.Status, c.Detail, c.err = st, err.Error(), err
+	if full(err) {
+		c.Status = Degraded
+		c.Fix = "free space on the filesystem of the root (or give its user quota), then check again; until then views are served by FUSE"
+	}
 	return c
+}
+
+// full reports whether err says a filesystem has no space (or quota) left.
+func full(err error) bool {
+	return errors.Is(err, unix.ENOSPC) || errors.Is(err, unix.EDQUOT)
 }
 
 // notProbed reports a probe that could not run (not root): never ok.

@@ -87,7 +87,13 @@ func NewViewHost(store *casstore.Store, cfg ViewsConfig, root string) (*ViewHost
 		if mode == ModeKernel {
 			return nil, fmt.Errorf("config: views.mode = %q: %w", mode, err)
 		}
-		log.L.WithError(err).Info("kernel fork views unavailable; serving every view with FUSE")
+		if errors.Is(err, hostcheck.ErrRootFull) {
+			// Not what the host is but a fault of the moment, which lasts for
+			// this process: it probes once.
+			log.L.WithError(err).Warn("kernel fork views unavailable until tidepoold restarts with space on its root; serving every view with FUSE")
+		} else {
+			log.L.WithError(err).Info("kernel fork views unavailable; serving every view with FUSE")
+		}
 		h.kernelErr = err
 		return h, nil
 	}

@@ -253,7 +253,11 @@ func mountKernel(ctx context.Context, a *app, f mountFlags, ref, dir string, uid
 		if f.mode == "kernel" {
 			return false, err
 		}
-		lg.WithError(err).Info("no kernel view: serving with FUSE")
+		if errors.Is(err, hostcheck.ErrRootFull) {
+			lg.WithError(err).Warn("no kernel view: serving with FUSE")
+		} else {
+			lg.WithError(err).Info("no kernel view: serving with FUSE")
+		}
 		return false, nil
 	}
 	t, err := a.resolve(ctx, ref)
@@ -270,7 +274,13 @@ func mountKernel(ctx context.Context, a *app, f mountFlags, ref, dir string, uid
 	}
 	err = h.Mount(ctx, dir, kview.Spec{Root: t.Root, Prefix: f.prefix, UID: uid, GID: gid})
 	if err != nil && f.mode == "auto" {
-		lg.WithError(err).Info("no kernel view: serving with FUSE")
+		// As tidepoold does (plugin.ViewHost): objects not all local is what auto
+		// is for; anything else (a full disk, a corrupt tree) is a fault to see.
+		if errdefs.IsNotFound(err) {
+			lg.WithError(err).Info("tree not entirely local: serving with FUSE")
+		} else {
+			lg.WithError(err).Warn("kernel view failed: serving with FUSE")
+		}
 		return false, nil
 	}
 	if err != nil {

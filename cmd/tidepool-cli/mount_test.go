@@ -145,6 +145,18 @@ func (e *cliEnv) start(t *testing.T, dir string, args ...string) *exec.Cmd {
 	return cmd
 }
 
+// stop ends a foreground mount that start started and returns what it wrote to
+// stderr; the view at dir is gone afterwards.
+func (e *cliEnv) stop(t *testing.T, cmd *exec.Cmd, dir string) string {
+	t.Helper()
+	if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	cmd.Wait() // the exit status of a signalled server says nothing here
+	fuse.UnmountStale(dir)
+	return cmd.Stderr.(*bytes.Buffer).String()
+}
+
 // abortFUSE aborts the FUSE connection of the view mounted at dir, through the fusectl
 // filesystem (mounted at /sys/fs/fuse/connections first if it is not).
 func abortFUSE(dir string) error {
@@ -434,12 +446,43 @@ func TestMountKernelMode(t *testing.T) {
 	if err == nil || !strings.Contains(stderr, gone.String()) || kview.IsMounted(dir) {
 		t.Fatalf("kernel mount of a tree with a missing object: %v, stderr %q", err, stderr)
 	}
-	e.start(t, dir, "--mode", "auto", partial.String())
+	cmd := e.start(t, dir, "--mode", "auto", partial.String())
 	if kview.IsMounted(dir) || !isView(t, dir) {
 		t.Fatal("auto mounted a kernel view of a tree whose objects are not all local")
 	}
 	if b, err := os.ReadFile(filepath.Join(dir, "kept.txt")); err != nil || string(b) != "kept\n" {
 		t.Fatalf("auto's FUSE view: %q %v", b, err)
+	}
+	// Objects not all local is what auto is for: no warning.
+	if stderr := e.stop(t, cmd, dir); strings.Contains(stderr, "level=warning") {
+		t.Errorf("auto warned about a tree whose objects are not all local:\n%s", stderr)
+	}
+
+	// A kernel view that fails for another reason (here a corrupt tree object; a full
+	// disk is another): auto still serves FUSE, and warns, naming the cause.
+	sub, err := s.WriteTree([]casstore.Entry{{Mode: casstore.ModeFile, Name: "f", Hash: keep}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rotten, err := s.WriteTree([]casstore.Entry{
+		{Mode: casstore.ModeFile, Name: "kept.txt", Hash: keep},
+		{Mode: casstore.ModeDir, Name: "sub", Hash: sub},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(s.Path(sub), []byte("rotten bytes"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	cmd = e.start(t, dir, "--mode", "auto", rotten.String())
+	if kview.IsMounted(dir) || !isView(t, dir) {
+		t.Fatal("auto mounted a kernel view of a tree with a corrupt tree object")
+	}
+	if b, err := os.ReadFile(filepath.Join(dir, "kept.txt")); err != nil || string(b) != "kept\n" {
+		t.Fatalf("auto's FUSE view: %q %v", b, err)
+	}
+	if stderr := e.stop(t, cmd, dir); !strings.Contains(stderr, "level=warning") || !strings.Contains(stderr, "kernel view failed") || !strings.Contains(stderr, sub.String()) {
+		t.Errorf("auto served FUSE for a corrupt tree without a warning naming the object %s:\n%s", sub, stderr)
 	}
 }
 
