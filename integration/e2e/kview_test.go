@@ -133,7 +133,10 @@ echo ok`, rounds, sum)
 
 	for i := range n {
 		id := fmt.Sprintf("survive-%02d", i)
-		if errs[i] != nil || !strings.HasSuffix(outs[i], "ok\n") {
+		// The exit status says the loop ran every round (set -e; any failed read
+		// exits 1); the output, which ctr can lose the end of under this load, only
+		// explains a failure.
+		if errs[i] != nil {
 			t.Errorf("%s: %v, output %q", id, errs[i], outs[i])
 			continue
 		}
