@@ -1,12 +1,9 @@
 package e2e
 
 import (
-	"context"
-	"fmt"
 	"path/filepath"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/tidepool-dev/tidepool/integration/harness"
 	"github.com/tidepool-dev/tidepool/integration/imagebuild"
@@ -26,34 +23,7 @@ func TestKernelViewOutlivesASwitchToFUSE(t *testing.T) {
 	files := map[string]string{"src/a.txt": "alpha\n", "src/sub/b.txt": strings.Repeat("beta\n", 100)}
 	root := s.Ingest(t, writeTree(t, files))
 
-	script := `set -e
-touch /app/started
-r=0
-until [ -e /app/stop ]; do
-  r=$((r+1))
-  [ "$(cat /app/src/a.txt)" = alpha ] || { echo "round $r: read failed"; exit 1; }
-  echo "round $r" > /app/r$r
-  [ $r -lt 1500 ] || { echo "never told to stop"; exit 1; }
-  sleep 0.2
-done
-echo "ok $r"`
-	done := make(chan error, 1)
-	var runOut string
-	go func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
-		defer cancel()
-		var err error
-		runOut, err = s.C.CtrContext(ctx, "", append(append([]string{"run", "--rm", "--fifo-dir", s.C.FIFODir}, forkLabels(root, "/app")...), imagebuild.BusyboxRef, "switch-live", "sh", "-c", script)...)
-		done <- err
-	}()
-	for deadline := time.Now().Add(time.Minute); ; time.Sleep(100 * time.Millisecond) {
-		if out, _ := s.Ctr("task", "ls"); strings.Contains(out, "RUNNING") {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("container did not start")
-		}
-	}
+	live := startLooper(t, s, "switch-live", root, files)
 	viewsDir := filepath.Join(s.Root, "views")
 	if v, err := kview.List(viewsDir); err != nil || len(v) != 1 {
 		t.Fatalf("%d kernel views before the switch, want 1: %v %v", len(v), v, err)
@@ -71,31 +41,7 @@ echo "ok $r"`
 		t.Fatalf("%d kernel views after the switch, want the running container's: %v %v", len(v), v, err)
 	}
 
-	if out, err := s.Ctr("task", "exec", "--exec-id", "stop", "--fifo-dir", s.C.FIFODir, "switch-live", "touch", "/app/stop"); err != nil {
-		t.Fatalf("tell the container to stop: %v\n%s", err, out)
-	}
-	if err := <-done; err != nil {
-		t.Fatalf("container: %v, output %q", err, runOut)
-	}
-	var rounds int
-	i := strings.LastIndex(runOut, "ok ")
-	if i < 0 {
-		t.Fatalf("container output %q: no rounds", runOut)
-	}
-	if _, err := fmt.Sscanf(runOut[i:], "ok %d", &rounds); err != nil || rounds < 1 {
-		t.Fatalf("container output %q: %v", runOut, err)
-	}
-	f := forkOfContainer(t, s, "switch-live", root)
-	expect := map[string]string{"started": "", "stop": ""}
-	for p, c := range files {
-		expect[p] = c
-	}
-	for r := 1; r <= rounds; r++ {
-		expect[fmt.Sprintf("r%d", r)] = fmt.Sprintf("round %d\n", r)
-	}
-	if re := s.Ingest(t, writeTree(t, expect)); re != f.Root.String() {
-		t.Errorf("commit %s, re-ingest of the merged workdir %s", f.Root, re)
-	}
+	live.stopAndCheckCommit(t)
 	if left, _ := kview.List(viewsDir); len(left) != 0 {
 		t.Errorf("kernel views left after the container went: %v", left)
 	}

@@ -2,12 +2,10 @@ package e2e
 
 import (
 	"context"
-	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/tidepool-dev/tidepool/integration/harness"
 	"github.com/tidepool-dev/tidepool/integration/imagebuild"
@@ -36,35 +34,8 @@ func TestRootThroughSymlink(t *testing.T) {
 	}
 
 	// The container reads and writes until the test, its restarts done, tells it to
-	// stop; it prints how many rounds it ran.
-	script := `set -e
-touch /app/started
-r=0
-until [ -e /app/stop ]; do
-  r=$((r+1))
-  [ "$(cat /app/src/a.txt)" = alpha ] || { echo "round $r: read failed"; exit 1; }
-  echo "round $r" > /app/r$r
-  [ $r -lt 1500 ] || { echo "never told to stop"; exit 1; }
-  sleep 0.2
-done
-echo "ok $r"`
-	done := make(chan error, 1)
-	var runOut string
-	go func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
-		defer cancel()
-		var err error
-		runOut, err = s.C.CtrContext(ctx, "", append(append([]string{"run", "--rm", "--fifo-dir", s.C.FIFODir}, forkLabels(root, "/app")...), imagebuild.BusyboxRef, "link-live", "sh", "-c", script)...)
-		done <- err
-	}()
-	for deadline := time.Now().Add(time.Minute); ; time.Sleep(100 * time.Millisecond) {
-		if out, _ := s.Ctr("task", "ls"); strings.Contains(out, "RUNNING") {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("container did not start")
-		}
-	}
+	// stop.
+	live := startLooper(t, s, "link-live", root, files)
 	views := func() []kview.Mounted {
 		v, err := kview.List(filepath.Join(real, "views"))
 		if err != nil {
@@ -90,31 +61,7 @@ echo "ok $r"`
 			t.Fatalf("after restart %d: %d kernel views mounted, want the one adopted: %v", i, len(v), v)
 		}
 	}
-	if out, err := s.Ctr("task", "exec", "--exec-id", "stop", "--fifo-dir", s.C.FIFODir, "link-live", "touch", "/app/stop"); err != nil {
-		t.Fatalf("tell the container to stop: %v\n%s", err, out)
-	}
-	var rounds int
-	if err := <-done; err != nil {
-		t.Fatalf("container: %v, output %q", err, runOut)
-	}
-	i := strings.LastIndex(runOut, "ok ")
-	if i < 0 {
-		t.Fatalf("container output %q: no rounds", runOut)
-	}
-	if _, err := fmt.Sscanf(runOut[i:], "ok %d", &rounds); err != nil || rounds < 1 {
-		t.Fatalf("container output %q: %v", runOut, err)
-	}
-	f := forkOfContainer(t, s, "link-live", root)
-	expect := map[string]string{"started": "", "stop": ""}
-	for p, c := range files {
-		expect[p] = c
-	}
-	for r := 1; r <= rounds; r++ {
-		expect[fmt.Sprintf("r%d", r)] = fmt.Sprintf("round %d\n", r)
-	}
-	if re := s.Ingest(t, writeTree(t, expect)); re != f.Root.String() {
-		t.Errorf("commit %s, re-ingest of the merged workdir %s", f.Root, re)
-	}
+	live.stopAndCheckCommit(t)
 	if left, _ := kview.List(filepath.Join(real, "views")); len(left) != 0 {
 		t.Errorf("kernel views left after the container went: %v", left)
 	}
