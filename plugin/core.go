@@ -195,7 +195,7 @@ func (c *Core) sweepTemp(ctx context.Context) {
 
 // Collectors are the Prometheus collectors of the core's components.
 func (c *Core) Collectors() []prometheus.Collector {
-	cs := []prometheus.Collector{c.Snapshotter.Metrics(), c.Views.Collector(), c.gc}
+	cs := append([]prometheus.Collector{c.Snapshotter.Metrics(), c.Views.Collector()}, c.gc.collectors()...)
 	if c.Remote != nil {
 		cs = append(cs, c.Remote.Metrics())
 	}

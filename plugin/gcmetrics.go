@@ -33,18 +33,7 @@ func newGCMetrics() *gcMetrics {
 	}
 }
 
-// Describe implements prometheus.Collector.
-func (m *gcMetrics) Describe(ch chan<- *prometheus.Desc) {
-	m.runs.Describe(ch)
-	m.swept.Describe(ch)
-	m.freed.Describe(ch)
-	m.viewRoots.Describe(ch)
-}
-
-// Collect implements prometheus.Collector.
-func (m *gcMetrics) Collect(ch chan<- prometheus.Metric) {
-	m.runs.Collect(ch)
-	m.swept.Collect(ch)
-	m.freed.Collect(ch)
-	m.viewRoots.Collect(ch)
+// collectors are the metrics, each registered as it is.
+func (m *gcMetrics) collectors() []prometheus.Collector {
+	return []prometheus.Collector{m.runs, m.swept, m.freed, m.viewRoots}
 }
