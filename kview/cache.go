@@ -61,7 +61,8 @@ type ownerClass struct {
 
 func classOf(s Spec) ownerClass { return ownerClass{s.Root, s.Prefix, ownerFits16(s.UID, s.GID)} }
 
-// meta is KEY.json.
+// meta is KEY.json, the entry's record: written last, with the sizes of the entry's
+// other files, by which a reader tells a whole entry (entry.go).
 type meta struct {
 	Root   casstore.Hash `json:"root"`
 	Prefix string        `json:"prefix"`
@@ -69,6 +70,10 @@ type meta struct {
 	GID    uint32        `json:"gid"`
 	Files  int           `json:"files"`
 	Bytes  int64         `json:"bytes"`
+
+	ImageBytes   int64 `json:"image_bytes,omitempty"`
+	ObjectsBytes int64 `json:"objects_bytes"`
+	OwnersBytes  int64 `json:"owners_bytes"`
 }
 
 // NewCache opens (creating) the image cache at dir.
@@ -95,7 +100,7 @@ func (c *Cache) path(key, ext string) string { return filepath.Join(c.dir, key+e
 func (c *Cache) image(ctx context.Context, spec Spec) (string, error) {
 	key := spec.Key()
 	img := c.path(key, ".erofs")
-	if _, err := os.Stat(img); err == nil {
+	if _, err := c.wholeEntry(key, spec); err == nil {
 		if err := c.checkObjects(ctx, spec, key, nil); err == nil {
 			c.stats.CacheHits.Add(1)
 			now := time.Now()
@@ -105,6 +110,15 @@ func (c *Cache) image(ctx context.Context, spec Spec) (string, error) {
 			return "", err
 		}
 		// No usable object list: build again, which checks the tree.
+	} else if incomplete(err) {
+		l := log.G(ctx).WithError(err).WithField("image", key)
+		if errors.Is(err, errUnsized) {
+			l.Info("kernel view image cache entry from an earlier version: building it again")
+		} else {
+			l.Warn("kernel view image cache entry is not whole: building it again")
+		}
+	} else if !errors.Is(err, fs.ErrNotExist) {
+		return "", err
 	}
 	ran := false
 	_, err, _ := c.sf.Do(key, func() (any, error) { ran = true; return nil, c.build(ctx, spec, key) })
@@ -229,28 +243,32 @@ func (c *Cache) count(start time.Time, size int64) {
 	c.stats.BuildBytes.Add(size)
 }
 
-// writeAll writes an image's files: KEY.objects, KEY.json (m with spec's fields
-// set), then the image (written by image, which returns its owner slots: a cache
-// hit needs only these three), then KEY.owners (an image found without them is
-// never derived from). The image joins the owner index.
+// writeAll writes an image's files: KEY.objects, the image (written by image, which
+// returns its owner slots), KEY.owners, and last KEY.json: m with spec's fields and
+// the sizes of the other three, which make the entry whole (entry.go). The image
+// joins the owner index.
 func (c *Cache) writeAll(spec Spec, key string, m meta, objs []byte, image func(*os.File) ([]byte, error)) error {
 	m.Root, m.Prefix, m.UID, m.GID = spec.Root, spec.Prefix, spec.UID, spec.GID
-	mj, _ := json.Marshal(m)
-	if err := c.writeFile(key+".objects", func(f *os.File) error { _, err := f.Write(objs); return err }); err != nil {
-		return err
-	}
-	if err := c.writeFile(key+".json", func(f *os.File) error { _, err := f.Write(mj); return err }); err != nil {
+	var err error
+	if m.ObjectsBytes, err = c.writeFile(key+".objects", func(f *os.File) error { _, err := f.Write(objs); return err }); err != nil {
 		return err
 	}
 	var slots []byte
-	err := c.writeFile(key+".erofs", func(f *os.File) (err error) {
+	m.ImageBytes, err = c.writeFile(key+".erofs", func(f *os.File) (err error) {
 		slots, err = image(f)
 		return err
 	})
 	if err != nil {
 		return err
 	}
-	if err := c.writeFile(key+".owners", func(f *os.File) error { _, err := f.Write(slots); return err }); err != nil {
+	if m.OwnersBytes, err = c.writeFile(key+".owners", func(f *os.File) error { _, err := f.Write(slots); return err }); err != nil {
+		return err
+	}
+	mj, err := json.Marshal(m)
+	if err != nil {
+		return fmt.Errorf("image cache record: %w", err)
+	}
+	if _, err := c.writeFile(key+".json", func(f *os.File) error { _, err := f.Write(mj); return err }); err != nil {
 		return err
 	}
 	c.remember(spec)
@@ -263,29 +281,31 @@ func (c *Cache) writeAll(spec Spec, key string, m meta, objs []byte, image func(
 // every owned inode rewritten.
 func (c *Cache) derive(ctx context.Context, spec Spec, key string, from Spec) (int64, error) {
 	fk := from.Key()
-	objs, err := os.ReadFile(c.path(fk, ".objects"))
+	m, err := c.readRecord(fk, from)
+	if err != nil {
+		return 0, err
+	}
+	// Each file is checked against the record as it is read: the record vouches for
+	// what was read, whatever happened to the files in between.
+	read := func(ext string, size int64) ([]byte, error) {
+		b, err := os.ReadFile(c.path(fk, ext))
+		if err != nil {
+			return nil, err
+		}
+		return b, sizeIs(c.path(fk, ext), int64(len(b)), size)
+	}
+	objs, err := read(".objects", m.ObjectsBytes)
 	if err != nil {
 		return 0, err
 	}
 	if err := c.checkObjects(ctx, spec, fk, objs); err != nil {
 		return 0, err
 	}
-	slots, err := os.ReadFile(c.path(fk, ".owners"))
+	slots, err := read(".owners", m.OwnersBytes)
 	if err != nil {
 		return 0, err
 	}
-	mj, err := os.ReadFile(c.path(fk, ".json"))
-	if err != nil {
-		return 0, err
-	}
-	var m meta
-	if err := json.Unmarshal(mj, &m); err != nil {
-		return 0, fmt.Errorf("image cache record %s: %w", c.path(fk, ".json"), err)
-	}
-	if m.Root != spec.Root || m.Prefix != spec.Prefix || m.UID != from.UID || m.GID != from.GID {
-		return 0, fmt.Errorf("image cache record %s is of another view", c.path(fk, ".json"))
-	}
-	img, err := os.ReadFile(c.path(fk, ".erofs"))
+	img, err := read(".erofs", m.ImageBytes)
 	if err != nil {
 		return 0, err
 	}
@@ -362,6 +382,9 @@ func (c *Cache) loadRecords() {
 		if spec.Key() != key {
 			continue
 		}
+		if c.filesWhole(key, m) != nil {
+			continue // built again when first used
+		}
 		if names[key+".owners"] != nil {
 			c.owners[classOf(spec)] = spec
 		}
@@ -379,15 +402,22 @@ func (c *Cache) loadRecords() {
 	}
 }
 
-func (c *Cache) writeFile(name string, fill func(*os.File) error) error {
+// writeFile writes the cache file name (through a temp file and a rename) with fill,
+// and returns its size.
+func (c *Cache) writeFile(name string, fill func(*os.File) error) (int64, error) {
 	f, err := os.CreateTemp(c.dir, ".tmp-"+name+"-")
 	if err != nil {
-		return fmt.Errorf("image cache: %w", err)
+		return 0, fmt.Errorf("image cache: %w", err)
 	}
 	defer os.Remove(f.Name())
 	if err := fill(f); err != nil {
 		f.Close()
-		return err
+		return 0, err
+	}
+	info, err := f.Stat()
+	if err != nil {
+		f.Close()
+		return 0, fmt.Errorf("image cache: %w", err)
 	}
 	// Start writing the file back now, in the background. Left dirty, its pages would
 	// be written by the next sync of this filesystem, and every unmount of an overlay
@@ -397,15 +427,15 @@ func (c *Cache) writeFile(name string, fill func(*os.File) error) error {
 	_ = unix.SyncFileRange(int(f.Fd()), 0, 0, unix.SYNC_FILE_RANGE_WRITE)
 	if err := f.Chmod(0o600); err != nil {
 		f.Close()
-		return fmt.Errorf("image cache: %w", err)
+		return 0, fmt.Errorf("image cache: %w", err)
 	}
 	if err := f.Close(); err != nil {
-		return fmt.Errorf("image cache: %w", err)
+		return 0, fmt.Errorf("image cache: %w", err)
 	}
 	if err := os.Rename(f.Name(), filepath.Join(c.dir, name)); err != nil {
-		return fmt.Errorf("image cache: %w", err)
+		return 0, fmt.Errorf("image cache: %w", err)
 	}
-	return nil
+	return info.Size(), nil
 }
 
 // mountedKeys returns the image keys of every kernel view mounted on the host.
