@@ -351,7 +351,7 @@ func (c *Cache) forget(spec Spec) {
 // loadRecords reads the records of the images in the cache (those a previous
 // tidepoold built) once, when the cache opens: it fills the owner index and lists the
 // roots the images show, the most recently used first (an image's mtime is its last
-// use), for WarmTrees. Unreadable records are skipped.
+// use), for WarmTrees. Entries that are not whole (entry.go) are skipped.
 func (c *Cache) loadRecords() {
 	c.owners = map[ownerClass]Spec{}
 	ents, err := os.ReadDir(c.dir)
@@ -385,9 +385,7 @@ func (c *Cache) loadRecords() {
 		if c.filesWhole(key, m) != nil {
 			continue // built again when first used
 		}
-		if names[key+".owners"] != nil {
-			c.owners[classOf(spec)] = spec
-		}
+		c.owners[classOf(spec)] = spec
 		if info, err := img.Info(); err == nil {
 			images = append(images, used{spec.Root, info.ModTime()})
 		}
