@@ -351,7 +351,7 @@ func (c *Cache) forget(spec Spec) {
 // loadRecords reads the records of the images in the cache (those a previous
 // tidepoold built) once, when the cache opens: it fills the owner index and lists the
 // roots the images show, the most recently used first (an image's mtime is its last
-// use), for WarmTrees. Entries that are not whole (entry.go) are skipped.
+// use), for WarmTrees. Only whole entries (entry.go) join the owner index.
 func (c *Cache) loadRecords() {
 	c.owners = map[ownerClass]Spec{}
 	ents, err := os.ReadDir(c.dir)
@@ -382,12 +382,13 @@ func (c *Cache) loadRecords() {
 		if spec.Key() != key {
 			continue
 		}
-		if c.filesWhole(key, m) != nil {
-			continue // built again when first used
-		}
-		c.owners[classOf(spec)] = spec
+		// Its root's trees are worth decoding whatever became of its files (they are
+		// read from the store); only a whole entry is derived from.
 		if info, err := img.Info(); err == nil {
 			images = append(images, used{spec.Root, info.ModTime()})
+		}
+		if c.filesWhole(key, m) == nil {
+			c.owners[classOf(spec)] = spec
 		}
 	}
 	sort.Slice(images, func(i, j int) bool { return images[i].at.After(images[j].at) })

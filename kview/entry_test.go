@@ -2,6 +2,7 @@ package kview
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io/fs"
@@ -176,4 +177,50 @@ func TestCacheEntryCutShort(t *testing.T) {
 			t.Errorf("%d images derived, %d built; want 2 in all: the cut entry was used", d, b)
 		}
 	})
+}
+
+// TestCacheEntryFromAnEarlierVersion: an entry whose record has no sizes (written
+// before records had them) is not derived from, its root's trees are still decoded
+// when a process starts (WarmTrees), and its first use builds it again, with sizes.
+func TestCacheEntryFromAnEarlierVersion(t *testing.T) {
+	ctx := context.Background()
+	s := casstoretest.NewStore(t)
+	root := fixture(t, s)
+	dir := t.TempDir()
+	spec := Spec{Root: root, UID: 1000, GID: 1000}
+	if _, err := openCache(t, dir, s).image(ctx, spec); err != nil {
+		t.Fatal(err)
+	}
+	record := filepath.Join(dir, spec.Key()+".json")
+	b, err := os.ReadFile(record)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var m meta
+	if err := json.Unmarshal(b, &m); err != nil {
+		t.Fatal(err)
+	}
+	old, err := json.Marshal(map[string]any{"root": m.Root, "prefix": m.Prefix, "uid": m.UID, "gid": m.GID, "files": m.Files, "bytes": m.Bytes})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(record, old, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	c := openCache(t, dir, s)
+	if len(c.lastRoots) != 1 || c.lastRoots[0] != root {
+		t.Errorf("roots to warm %v, want [%s]", c.lastRoots, root)
+	}
+	if _, ok := c.sibling(Spec{Root: root, UID: 1001, GID: 1001}); ok {
+		t.Error("an entry without sizes is in the owner index")
+	}
+	if _, err := c.image(ctx, spec); err != nil {
+		t.Fatal(err)
+	}
+	if b := c.stats.Builds.Load(); b != 1 {
+		t.Errorf("%d images built, want 1", b)
+	}
+	if _, err := c.wholeEntry(spec.Key(), spec); err != nil {
+		t.Errorf("the entry after its first use: %v", err)
+	}
 }
