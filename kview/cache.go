@@ -405,6 +405,14 @@ func (c *Cache) loadRecords() {
 // and returns its size.
 func (c *Cache) writeFile(name string, fill func(*os.File) error) (int64, error) {
 	f, err := os.CreateTemp(c.dir, ".tmp-"+name+"-")
+	if errors.Is(err, fs.ErrNotExist) {
+		// The cache directory was removed under this process (an operator clearing a
+		// cache): make it again. What it held is built again when used, and the views
+		// mounted from it keep their image files open.
+		if err = ensureDir(c.dir); err == nil {
+			f, err = os.CreateTemp(c.dir, ".tmp-"+name+"-")
+		}
+	}
 	if err != nil {
 		return 0, fmt.Errorf("image cache: %w", err)
 	}

@@ -224,3 +224,36 @@ func TestCacheEntryFromAnEarlierVersion(t *testing.T) {
 		t.Errorf("the entry after its first use: %v", err)
 	}
 }
+
+// TestCacheDirRemoved: the cache directory removed under a running process (an
+// operator clearing a cache) is made again by the next build, and the images it
+// held are made again when used (for another owner too).
+func TestCacheDirRemoved(t *testing.T) {
+	ctx := context.Background()
+	s := casstoretest.NewStore(t)
+	root := fixture(t, s)
+	dir := filepath.Join(t.TempDir(), "kview", "images")
+	c := openCache(t, dir, s)
+	spec := Spec{Root: root, UID: 1000, GID: 1000}
+	if _, err := c.image(ctx, spec); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.RemoveAll(filepath.Dir(dir)); err != nil {
+		t.Fatal(err)
+	}
+	for _, sp := range []Spec{spec, {Root: root, UID: 1001, GID: 1001}} {
+		img, err := c.image(ctx, sp)
+		if err != nil {
+			t.Fatalf("image for %d after the cache directory was removed: %v", sp.UID, err)
+		}
+		if _, err := c.wholeEntry(sp.Key(), sp); err != nil {
+			t.Errorf("%s: %v", img, err)
+		}
+	}
+	if b, d := c.stats.Builds.Load(), c.stats.Derived.Load(); b+d != 3 {
+		t.Errorf("%d images built and %d derived, want 3 in all", b, d)
+	}
+	if info, err := os.Stat(dir); err != nil || info.Mode().Perm() != 0o700 {
+		t.Errorf("cache directory made again: %v, %v; want mode 0700", info, err)
+	}
+}

@@ -13,13 +13,14 @@ import (
 	"github.com/tidepool-dev/tidepool/integration/stack"
 )
 
-// TestKernelViewImageCutShortByACrash: tidepoold writes its cached images without an
+// TestKernelViewImageCacheDamaged: tidepoold writes its cached images without an
 // fsync (kview's entry.go), so a host crash can leave one shorter than it was written.
 // The tidepoold that starts after it builds that image again, says so in its log, and
 // a container on the tree reads the whole tree. Before, the truncated image was
 // mounted: the container's reads of the directories it lost failed with "structure
 // needs cleaning", in every container on that tree until the image was collected.
-func TestKernelViewImageCutShortByACrash(t *testing.T) {
+// And an image cache removed under the running daemon is made again by the next build.
+func TestKernelViewImageCacheDamaged(t *testing.T) {
 	requireKernelViews(t)
 	s := stack.Start(t, stack.Options{Metrics: true})
 	s.C.ImportImage(t, imagebuild.BusyboxArchive(t).Path, imagebuild.BusyboxRef, "tidepool")
@@ -69,6 +70,17 @@ func TestKernelViewImageCutShortByACrash(t *testing.T) {
 	}
 	if !strings.Contains(string(log), "kernel view image cache entry is not whole") {
 		t.Errorf("tidepoold's log does not say that it built the cut image again:\n%s", s.Daemon.LogTail(40))
+	}
+	// An operator clears the cache under the running daemon: the next container's
+	// image is built into a cache directory made again (not served by FUSE for want
+	// of one, as before).
+	waitViewsReleased(t, s)
+	if err := os.RemoveAll(filepath.Join(s.Root, "kview")); err != nil {
+		t.Fatal(err)
+	}
+	run("after-the-cache-was-removed")
+	if b := s.Metric(t, "tidepool_views_image_builds_total"); b != 2 {
+		t.Errorf("%v images built by the restarted tidepoold, want 2", b)
 	}
 	waitViewsReleased(t, s)
 	s.C.LeakCheck(t)
