@@ -215,14 +215,12 @@ func (c *Cache) build(ctx context.Context, spec Spec, key string) error {
 	for _, h := range t.objects {
 		objs = append(objs, h[:]...)
 	}
-	var size int64
-	err = c.writeAll(spec, key, meta{Files: t.Files, Bytes: t.Bytes}, objs, func(f *os.File) ([]byte, error) {
+	size, err := c.writeAll(spec, key, meta{Files: t.Files, Bytes: t.Bytes}, objs, func(f *os.File) ([]byte, error) {
 		l, err := t.writeImage(f)
 		if err != nil {
 			return nil, err
 		}
-		size, err = f.Seek(0, 2)
-		return l.ownerSlots(), err
+		return l.ownerSlots(), nil
 	})
 	if err != nil {
 		return err
@@ -246,12 +244,12 @@ func (c *Cache) count(start time.Time, size int64) {
 // writeAll writes an image's files: KEY.objects, the image (written by image, which
 // returns its owner slots), KEY.owners, and last KEY.json: m with spec's fields and
 // the sizes of the other three, which make the entry whole (entry.go). The image
-// joins the owner index.
-func (c *Cache) writeAll(spec Spec, key string, m meta, objs []byte, image func(*os.File) ([]byte, error)) error {
+// joins the owner index. It returns the image's size.
+func (c *Cache) writeAll(spec Spec, key string, m meta, objs []byte, image func(*os.File) ([]byte, error)) (int64, error) {
 	m.Root, m.Prefix, m.UID, m.GID = spec.Root, spec.Prefix, spec.UID, spec.GID
 	var err error
 	if m.ObjectsBytes, err = c.writeFile(key+".objects", func(f *os.File) error { _, err := f.Write(objs); return err }); err != nil {
-		return err
+		return 0, err
 	}
 	var slots []byte
 	m.ImageBytes, err = c.writeFile(key+".erofs", func(f *os.File) (err error) {
@@ -259,20 +257,20 @@ func (c *Cache) writeAll(spec Spec, key string, m meta, objs []byte, image func(
 		return err
 	})
 	if err != nil {
-		return err
+		return 0, err
 	}
 	if m.OwnersBytes, err = c.writeFile(key+".owners", func(f *os.File) error { _, err := f.Write(slots); return err }); err != nil {
-		return err
+		return 0, err
 	}
 	mj, err := json.Marshal(m)
 	if err != nil {
-		return fmt.Errorf("image cache record: %w", err)
+		return 0, fmt.Errorf("image cache record: %w", err)
 	}
 	if _, err := c.writeFile(key+".json", func(f *os.File) error { _, err := f.Write(mj); return err }); err != nil {
-		return err
+		return 0, err
 	}
 	c.remember(spec)
-	return nil
+	return m.ImageBytes, nil
 }
 
 // derive writes spec's image from the cached image of from (the same tree, another
@@ -312,7 +310,7 @@ func (c *Cache) derive(ctx context.Context, spec Spec, key string, from Spec) (i
 	if err := deriveImage(img, slots, from.UID, from.GID, spec.UID, spec.GID); err != nil {
 		return 0, fmt.Errorf("image %s: %w", c.path(fk, ".erofs"), err)
 	}
-	err = c.writeAll(spec, key, m, objs, func(f *os.File) ([]byte, error) {
+	size, err := c.writeAll(spec, key, m, objs, func(f *os.File) ([]byte, error) {
 		_, err := f.Write(img)
 		return slots, err
 	})
@@ -321,7 +319,7 @@ func (c *Cache) derive(ctx context.Context, spec Spec, key string, from Spec) (i
 		return 0, err
 	}
 	c.checked.copy(fk, key) // the same object list
-	return int64(len(img)), nil
+	return size, nil
 }
 
 // sibling returns the spec of a cached image of spec's class, if the index knows one.
