@@ -36,6 +36,8 @@ type Cache struct {
 	gate  sync.RWMutex
 	stats *Stats
 	memo  *treeMemo // decoded trees, shared by the builds of every image
+	// scratch keeps the memory of recent builds for the next ones (scratch.go).
+	scratch scratchPool
 	// checked lets a cache hit skip the check of an object list that the size index
 	// showed whole and nothing has forgotten since (checked.go).
 	checked checkedLists
@@ -205,18 +207,21 @@ func (c *Cache) build(ctx context.Context, spec Spec, key string) error {
 		log.G(ctx).WithError(err).WithField("from", from.Key()).Debug("kernel view image not derived; building it")
 	}
 	c.checked.drop(key)
-	t, err := scan(ctx, c.store, spec, c.memo)
+	sc := c.scratch.get()
+	defer c.scratch.put(sc) // t and everything it holds are sc's: they end here
+	t, err := scan(ctx, c.store, spec, c.memo, sc)
 	if err != nil {
 		return err
 	}
 	scanned := time.Now()
 	c.stats.TreesRead.Add(int64(t.TreesRead))
-	objs := make([]byte, 0, 32*len(t.objects))
+	objs := sc.objList[:0]
 	for _, h := range t.objects {
 		objs = append(objs, h[:]...)
 	}
+	sc.objList = objs
 	size, err := c.writeAll(spec, key, meta{Files: t.Files, Bytes: t.Bytes}, objs, func(f *os.File) ([]byte, error) {
-		l, err := t.writeImage(f)
+		l, err := t.writeImage(f, sc)
 		if err != nil {
 			return nil, err
 		}
@@ -284,26 +289,27 @@ func (c *Cache) derive(ctx context.Context, spec Spec, key string, from Spec) (i
 		return 0, err
 	}
 	// Each file is checked against the record as it is read: the record vouches for
-	// what was read, whatever happened to the files in between.
-	read := func(ext string, size int64) ([]byte, error) {
-		b, err := os.ReadFile(c.path(fk, ext))
-		if err != nil {
-			return nil, err
-		}
-		return b, sizeIs(c.path(fk, ext), int64(len(b)), size)
+	// what was read, whatever happened to the files in between. The bytes go into a
+	// build's scratch (scratch.go), which the image is written from.
+	sc := c.scratch.get()
+	defer c.scratch.put(sc)
+	read := func(ext string, size int64, buf *[]byte) ([]byte, error) {
+		b, err := readSized(c.path(fk, ext), size, *buf)
+		*buf = b
+		return b, err
 	}
-	objs, err := read(".objects", m.ObjectsBytes)
+	objs, err := read(".objects", m.ObjectsBytes, &sc.objList)
 	if err != nil {
 		return 0, err
 	}
 	if err := c.checkObjects(ctx, spec, fk, objs); err != nil {
 		return 0, err
 	}
-	slots, err := read(".owners", m.OwnersBytes)
+	slots, err := read(".owners", m.OwnersBytes, &sc.slots)
 	if err != nil {
 		return 0, err
 	}
-	img, err := read(".erofs", m.ImageBytes)
+	img, err := read(".erofs", m.ImageBytes, &sc.image)
 	if err != nil {
 		return 0, err
 	}

@@ -20,7 +20,7 @@ import (
 func imageAndSlots(t *testing.T, tr *Tree) (img, slots []byte) {
 	t.Helper()
 	var b bytes.Buffer
-	l, err := tr.writeImage(&b)
+	l, err := tr.writeImage(&b, &scratch{})
 	if err != nil {
 		t.Fatal(err)
 	}

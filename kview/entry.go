@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"io/fs"
 	"os"
 )
@@ -99,6 +100,35 @@ func (c *Cache) sized(key, ext string, size int64) error {
 		return fmt.Errorf("image cache: %w", err)
 	}
 	return sizeIs(c.path(key, ext), info.Size(), size)
+}
+
+// readSized reads the file name, which its entry's record says is size bytes long,
+// into buf (grown if it is too small) and returns its bytes, or an error if its size
+// is another.
+func readSized(name string, size int64, buf []byte) ([]byte, error) {
+	f, err := os.Open(name)
+	if err != nil {
+		return buf, err
+	}
+	defer f.Close()
+	info, err := f.Stat()
+	if err != nil {
+		return buf, fmt.Errorf("image cache: %w", err)
+	}
+	if err := sizeIs(name, info.Size(), size); err != nil {
+		return buf, err
+	}
+	if int64(cap(buf)) < size {
+		buf = make([]byte, size)
+	}
+	buf = buf[:size]
+	if n, err := io.ReadFull(f, buf); err != nil {
+		if errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, io.EOF) {
+			return buf, sizeIs(name, int64(n), size) // cut short since the stat
+		}
+		return buf, fmt.Errorf("image cache: read %s: %w", name, err)
+	}
+	return buf, nil
 }
 
 // sizeIs checks a file's size (got) against the size its entry's record gives.

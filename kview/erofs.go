@@ -107,18 +107,27 @@ type imageLayout struct {
 // WriteImage writes the tree's metadata-only EROFS image to w, front to back in
 // large writes. The same tree and spec always give the same bytes.
 func (t *Tree) WriteImage(w io.Writer) error {
-	_, err := t.writeImage(w)
+	_, err := t.writeImage(w, &scratch{})
 	return err
 }
 
-// writeImage is WriteImage, returning the plan it wrote (for its owner slots).
-func (t *Tree) writeImage(w io.Writer) (*imageLayout, error) {
-	l := &imageLayout{t: t, nodes: make([]inode, 0, t.Files+t.Dirs+t.symlinks+1)}
-	if err := l.collect(t.top, 0); err != nil {
+// writeImage is WriteImage, returning the plan it wrote (for its owner slots), laid
+// out in sc (scratch.go): the plan is valid as long as sc is not reset.
+func (t *Tree) writeImage(w io.Writer, sc *scratch) (*imageLayout, error) {
+	if n := t.Files + t.Dirs + t.symlinks + 1; cap(sc.inodes) < n {
+		sc.inodes = make([]inode, 0, n)
+	}
+	if cap(sc.buf) < imageWriteBuffer {
+		sc.buf = make([]byte, 0, imageWriteBuffer)
+	}
+	l := &imageLayout{t: t, nodes: sc.inodes[:0], names: sc.names[:0]}
+	err := l.collect(t.top, 0)
+	sc.inodes, sc.names = l.nodes, l.names // keeps what append grew
+	if err != nil {
 		return nil, err
 	}
 	l.plan()
-	iw := &imageWriter{w: w, buf: make([]byte, 0, imageWriteBuffer)}
+	iw := &imageWriter{w: w, buf: sc.buf[:0]}
 	l.write(iw)
 	if err := iw.flush(); err != nil {
 		return nil, fmt.Errorf("write image: %w", err)

@@ -476,7 +476,7 @@ func TestScanMemo(t *testing.T) {
 	memo := newTreeMemo(1000)
 	image := func(spec Spec, memo *treeMemo) []byte {
 		t.Helper()
-		tr, err := scan(context.Background(), s, spec, memo)
+		tr, err := scan(context.Background(), s, spec, memo, &scratch{})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -499,7 +499,7 @@ func TestScanMemo(t *testing.T) {
 	// A file object removed: the memoized scan still reports it.
 	gone := casstore.Sum([]byte("package b\n"))
 	removeObject(t, s, gone)
-	_, err := scan(context.Background(), s, Spec{Root: root}, memo)
+	_, err := scan(context.Background(), s, Spec{Root: root}, memo, &scratch{})
 	var miss *MissingError
 	if !errors.As(err, &miss) || len(miss.Objects) != 1 || miss.Objects[0] != gone {
 		t.Fatalf("memoized scan with a missing object: %v", err)

@@ -67,7 +67,7 @@ type dirScan struct {
 // dropped before anything removes the object), and from a stat of the object
 // otherwise. Tree objects are read and decoded by several workers at once.
 func Scan(ctx context.Context, store *casstore.Store, spec Spec) (*Tree, error) {
-	return scan(ctx, store, spec, nil)
+	return scan(ctx, store, spec, nil, &scratch{})
 }
 
 // scan is Scan with decoded tree objects remembered in memo (if not nil) from one
@@ -75,7 +75,8 @@ func Scan(ctx context.Context, store *casstore.Store, spec Spec) (*Tree, error) 
 // another owner's) decodes only the trees it does not share with earlier views.
 // File objects are still looked up every time (index, then stat); tree objects a
 // memo holds are not re-read, and need not be local: the image never reads them.
-func scan(ctx context.Context, store *casstore.Store, spec Spec, memo *treeMemo) (*Tree, error) {
+// The Tree is assembled in sc (scratch.go), and valid as long as sc is not reset.
+func scan(ctx context.Context, store *casstore.Store, spec Spec, memo *treeMemo, sc *scratch) (*Tree, error) {
 	od := newObjDirs(store)
 	od.memo = memo
 	defer od.close()
@@ -89,12 +90,19 @@ func scan(ctx context.Context, store *casstore.Store, spec Spec, memo *treeMemo)
 	for _, ds := range scans {
 		hint += len(ds.tree)
 	}
-	as := &assembler{ctx: ctx, scans: scans, budget: casstore.DefaultLimits(),
-		missing: map[casstore.Hash]struct{}{}, seen: make(map[casstore.Hash]struct{}, hint),
-		t: &Tree{spec: spec, objects: make([]casstore.Hash, 0, hint)}}
+	if sc.seen == nil {
+		sc.seen = make(map[casstore.Hash]struct{}, hint)
+	}
+	if cap(sc.objects) < hint {
+		sc.objects = make([]casstore.Hash, 0, hint)
+	}
+	as := &assembler{ctx: ctx, scans: scans, budget: casstore.DefaultLimits(), sc: sc,
+		missing: map[casstore.Hash]struct{}{}, t: &Tree{spec: spec, objects: sc.objects[:0]}}
 	t := as.t
 	owned := &node{mode: fs.ModeDir | 0o755, hash: spec.Root, owned: true}
-	if err := as.dir(owned, spec.Root, 0); err != nil {
+	err = as.dir(owned, spec.Root, 0)
+	sc.objects = t.objects // keeps what append grew
+	if err != nil {
 		return nil, err
 	}
 	if len(as.order) > 0 {
@@ -191,7 +199,7 @@ type assembler struct {
 	t       *Tree
 	missing map[casstore.Hash]struct{}
 	order   []casstore.Hash
-	seen    map[casstore.Hash]struct{} // file objects already in t.objects
+	sc      *scratch // nodes come from it; sc.seen: file objects already in t.objects
 }
 
 func (as *assembler) miss(h casstore.Hash) {
@@ -221,8 +229,8 @@ func (as *assembler) dir(n *node, h casstore.Hash, depth int) error {
 			return err
 		}
 	}
-	n.children = make([]*node, len(ds.tree))
-	nodes := make([]node, len(ds.tree))
+	n.children = as.sc.kids.take(len(ds.tree))
+	nodes := as.sc.nodes.take(len(ds.tree))
 	for i, e := range ds.tree {
 		c := &nodes[i]
 		*c = node{name: e.Name, hash: e.Hash, owned: true}
@@ -256,8 +264,8 @@ func (as *assembler) dir(n *node, h casstore.Hash, depth int) error {
 			}
 			c.size = ds.sizes[i]
 			t.Bytes += c.size
-			if _, ok := as.seen[e.Hash]; !ok {
-				as.seen[e.Hash] = struct{}{}
+			if _, ok := as.sc.seen[e.Hash]; !ok {
+				as.sc.seen[e.Hash] = struct{}{}
 				t.objects = append(t.objects, e.Hash)
 			}
 		}
