@@ -23,10 +23,10 @@ import (
 // nests or shadows it costs far more (15 µs on the VM this was measured on, where
 // 1,500 faults were 19 of a build's 48 ms: BenchmarkImageBuildAfterIdle), and agent
 // fleets run in exactly such guests. A build is on a container's create path, so the
-// cache keeps the largest parts of a build's memory (scratch) while it is busy: up to
-// maxFreeScratch of them, each at most maxScratchBytes, dropped scratchIdle after
-// the last build ends. A daemon's first build, and the first after a quiet spell,
-// still fault their memory in; the builds of a busy daemon do not.
+// cache keeps the largest parts of a build's memory (scratch): one for good, and a
+// second (concurrent builds) until scratchIdle after the last build ends, each at most
+// maxScratchBytes (7 MiB for the Go source tree, derivations included). A starting
+// process faults one in ahead of its first build (WarmTrees).
 //
 // A scratch belongs to one build at a time: the Tree a scan assembles in it (its
 // nodes, its object list) is valid only until the scratch is put back, so a Tree
@@ -126,7 +126,8 @@ func (s *slab[T]) bytes() int {
 }
 
 // scratchPool keeps the scratch of recent builds for the next ones. Its zero value
-// keeps maxFreeScratch of at most maxScratchBytes each for scratchIdle.
+// keeps up to maxFreeScratch of at most maxScratchBytes each, all but one only until
+// it has been idle for scratchIdle.
 type scratchPool struct {
 	mu    sync.Mutex
 	free  []*scratch
@@ -162,13 +163,24 @@ func (p *scratchPool) put(s *scratch) {
 		p.free = append(p.free, s)
 	}
 	if p.timer == nil {
-		p.timer = time.AfterFunc(idle, p.drop)
+		p.timer = time.AfterFunc(idle, p.trim)
 	} else {
 		p.timer.Reset(idle)
 	}
 }
 
-// drop lets the garbage collector have the kept scratch.
+// trim lets the garbage collector have all kept scratch but the last one put back.
+func (p *scratchPool) trim() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if n := len(p.free); n > 1 {
+		p.free[0] = p.free[n-1]
+		clear(p.free[1:])
+		p.free = p.free[:1]
+	}
+}
+
+// drop lets the garbage collector have every kept scratch (benchmarks).
 func (p *scratchPool) drop() {
 	p.mu.Lock()
 	defer p.mu.Unlock()

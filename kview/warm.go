@@ -1,6 +1,11 @@
 package kview
 
-import "context"
+import (
+	"context"
+	"io"
+
+	"github.com/tidepool-dev/tidepool/casstore"
+)
 
 // This file warms a new process's memo of decoded trees.
 //
@@ -12,7 +17,9 @@ import "context"
 // tree objects are in the store, so a process that starts decodes those trees in
 // the background, once, and its first builds find them as a running daemon would.
 // Nothing new is kept on disk: the trees are read from the store, verified as any
-// build verifies them.
+// build verifies them. Then it lays out the most recent root's image once, written
+// nowhere, so that the first build's working memory (scratch.go) is faulted in
+// before a container waits for it.
 
 // WarmTrees decodes into the memo the trees of the roots of the most recently used
 // images found when the cache opened (loadRecords), up to roots distinct roots and
@@ -42,5 +49,19 @@ func (c *Cache) WarmTrees(ctx context.Context, roots int) (int, error) {
 		}
 	}
 	c.stats.TreesWarmed.Add(int64(n))
+	if len(c.lastRoots) > 0 && roots > 0 {
+		c.warmScratch(ctx, c.lastRoots[0])
+	}
 	return n, nil
+}
+
+// warmScratch lays out root's image in a kept scratch and writes it nowhere: the
+// pages a build of that size works in are then the process's. Errors are ignored (a
+// warm-up only saves time).
+func (c *Cache) warmScratch(ctx context.Context, root casstore.Hash) {
+	sc := c.scratch.get()
+	defer c.scratch.put(sc)
+	if t, err := scan(ctx, c.store, Spec{Root: root}, c.memo, sc); err == nil {
+		_, _ = t.writeImage(io.Discard, sc)
+	}
 }

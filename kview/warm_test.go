@@ -13,8 +13,9 @@ import (
 
 // TestWarmTrees: a new process's cache decodes the trees of the roots its images
 // showed last, most recent first and no more than asked; a build after that reads no
-// tree object of those roots and writes the image a cold build writes; images whose
-// records are unreadable, and trees whose objects have gone, are skipped.
+// tree object of those roots and writes the image a cold build writes, in memory the
+// warm-up faulted in (scratch.go); images whose records are unreadable, and trees whose
+// objects have gone, are skipped.
 func TestWarmTrees(t *testing.T) {
 	ctx := context.Background()
 	s := casstoretest.NewStore(t)
@@ -47,6 +48,14 @@ func TestWarmTrees(t *testing.T) {
 	n, err := c2.WarmTrees(ctx, 1)
 	if err != nil || n != 5 || c2.stats.TreesWarmed.Load() != 5 {
 		t.Fatalf("warmed %d trees (%v), stats %d; want 5", n, err, c2.stats.TreesWarmed.Load())
+	}
+	// The first build's working memory is the process's already: a kept scratch that
+	// laid out recent's image (9 inodes: 4 files, 5 directories), no image built.
+	if kept := c2.scratch.kept(); len(kept) != 1 || kept[0].nodes.bytes() == 0 || cap(kept[0].inodes) < 9 || cap(kept[0].buf) == 0 {
+		t.Fatalf("%d scratch kept after warming, want one with recent's image laid out", len(kept))
+	}
+	if b := c2.stats.Builds.Load(); b != 0 {
+		t.Fatalf("warming built %d images", b)
 	}
 	spec := Spec{Root: recent, Prefix: "srv/other", UID: 70000, GID: 70000} // a build, not a derivation
 	img, err := c2.image(ctx, spec)
