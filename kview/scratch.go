@@ -14,11 +14,11 @@ import (
 //
 // A build of the Go source tree's image works in about 6 MB: a node per entry, the
 // inode table, the set and list of file objects, the write buffer (a derivation,
-// derive.go, in the 3 MB of its copy of an image). Freed after the
-// build, those pages do not stay with the process: the Go runtime's scavenger hands
-// idle heap back to the kernel within seconds, and neither a higher GOGC (the heap
-// grows into new pages instead) nor MADV_FREE changes that (both measured). The next
-// build, seconds later, then takes a page fault on every page it touches. On bare
+// derive.go, in the 3 MB of its copy of an image). Freed after the build, those pages
+// do not stay with the process: the Go runtime's scavenger hands idle heap back to the
+// kernel within seconds, and neither a higher GOGC (the heap grows into new pages
+// instead) nor MADV_FREE changes that (both measured). The next build, seconds later,
+// then takes a page fault on every page it touches. On bare
 // metal a fault costs well under a microsecond; in a guest whose page tables the host
 // nests or shadows it costs far more (15 µs on the VM this was measured on, where
 // 1,500 faults were 19 of a build's 48 ms: BenchmarkImageBuildAfterIdle), and agent
@@ -34,7 +34,7 @@ import (
 
 const (
 	maxFreeScratch  = 2
-	maxScratchBytes = 64 << 20 // about the scratch of a tree of 500,000 entries
+	maxScratchBytes = 64 << 20 // about the scratch of a tree of 100,000 entries
 	scratchIdle     = 5 * time.Minute
 )
 

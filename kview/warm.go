@@ -25,7 +25,7 @@ import (
 // images found when the cache opened (loadRecords), up to roots distinct roots and
 // half the memo's size (a warm-up never evicts what it loaded). It returns how many
 // tree objects it read. Trees whose objects have gone are skipped: a warm-up only
-// saves time.
+// saves time. Then it faults in a build's scratch (warmScratch).
 func (c *Cache) WarmTrees(ctx context.Context, roots int) (int, error) {
 	n := 0
 	for _, root := range c.lastRoots[:min(roots, len(c.lastRoots))] {
