@@ -97,38 +97,50 @@ func BenchmarkImageBuildAfterIdle(b *testing.B) {
 	s, root := goTree(b)
 	spec := Spec{Root: root, Prefix: "app", UID: 1000, GID: 1000}
 	dir := b.TempDir()
+	var pool scratchPool
+	afterIdle(b, nil, func(b *testing.B, kept bool) {
+		sc := &scratch{}
+		if kept {
+			sc = pool.get()
+		}
+		tr, err := scan(context.Background(), s, spec, nil, sc)
+		if err != nil {
+			b.Fatal(err)
+		}
+		f, err := os.Create(filepath.Join(dir, "img.erofs"))
+		if err != nil {
+			b.Fatal(err)
+		}
+		if _, err := tr.writeImage(f, sc); err != nil {
+			b.Fatal(err)
+		}
+		f.Close()
+		pool.put(sc)
+	})
+}
+
+// afterIdle runs op as two sub-benchmarks, fresh (kept false) then kept, each op after
+// idle (untimed, if not nil) and debug.FreeOSMemory, and reports the page faults an op
+// takes and kept's faults and time against fresh's.
+func afterIdle(b *testing.B, idle func(kept bool), op func(b *testing.B, kept bool)) {
 	var freshFaults, freshTime float64
-	for _, arm := range []string{"fresh", "kept"} {
-		b.Run(arm, func(b *testing.B) {
-			var pool scratchPool
+	for _, kept := range []bool{false, true} {
+		b.Run(map[bool]string{false: "fresh", true: "kept"}[kept], func(b *testing.B) {
 			var n int64
 			for b.Loop() {
 				b.StopTimer()
+				if idle != nil {
+					idle(kept)
+				}
 				debug.FreeOSMemory()
 				b.StartTimer()
 				f0 := minorFaults(b)
-				sc := &scratch{}
-				if arm == "kept" {
-					sc = pool.get()
-				}
-				tr, err := scan(context.Background(), s, spec, nil, sc)
-				if err != nil {
-					b.Fatal(err)
-				}
-				f, err := os.Create(filepath.Join(dir, "img.erofs"))
-				if err != nil {
-					b.Fatal(err)
-				}
-				if _, err := tr.writeImage(f, sc); err != nil {
-					b.Fatal(err)
-				}
-				f.Close()
-				pool.put(sc)
+				op(b, kept)
 				n += minorFaults(b) - f0
 			}
 			faults, perOp := float64(n)/float64(b.N), float64(b.Elapsed())/float64(b.N)
 			b.ReportMetric(faults, "faults/op")
-			if arm == "fresh" {
+			if !kept {
 				freshFaults, freshTime = faults, perOp
 			} else if freshFaults > 0 {
 				b.ReportMetric(faults/freshFaults, "faults-x-vs-fresh")
@@ -189,18 +201,24 @@ func cpuTime(b *testing.B) time.Duration {
 	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }
 
+// cachedGoTree is a cache holding the Go source tree's image at "app" for 1000:1000.
+func cachedGoTree(b *testing.B) (*Cache, casstore.Hash) {
+	s, root := goTree(b)
+	c := openCache(b, b.TempDir(), s)
+	if _, err := c.image(context.Background(), Spec{Root: root, Prefix: "app", UID: 1000, GID: 1000}); err != nil {
+		b.Fatal(err)
+	}
+	return c, root
+}
+
 // BenchmarkImageDeriveGoTree derives the image of the Go source tree for a new owner
 // each time from the cached image of the first owner, as the cache does for a view of
 // a cached tree for another owner: the object check of a cache hit (skipped here, as
 // in tidepoold while the size index forgets nothing: BenchmarkImageCacheHitGoTree), a
 // copy of the image with its owned inodes' owner rewritten, and the writes.
 func BenchmarkImageDeriveGoTree(b *testing.B) {
-	s, root := goTree(b)
-	c := openCache(b, b.TempDir(), s)
+	c, root := cachedGoTree(b)
 	ctx := context.Background()
-	if _, err := c.image(ctx, Spec{Root: root, Prefix: "app", UID: 1000, GID: 1000}); err != nil {
-		b.Fatal(err)
-	}
 	i := uint32(0)
 	cpu0 := cpuTime(b)
 	for b.Loop() {
@@ -220,44 +238,22 @@ func BenchmarkImageDeriveGoTree(b *testing.B) {
 // the cache's kept scratch dropped first (as scratchIdle after its last build), against
 // kept. Goal: kept takes a small fraction of fresh's faults.
 func BenchmarkImageDeriveAfterIdle(b *testing.B) {
-	s, root := goTree(b)
-	c := openCache(b, b.TempDir(), s)
-	ctx := context.Background()
-	if _, err := c.image(ctx, Spec{Root: root, Prefix: "app", UID: 1000, GID: 1000}); err != nil {
-		b.Fatal(err)
-	}
+	c, root := cachedGoTree(b)
 	i := uint32(0)
-	var freshFaults, freshTime float64
-	for _, arm := range []string{"fresh", "kept"} {
-		b.Run(arm, func(b *testing.B) {
-			derived, n := c.stats.Derived.Load(), int64(0)
-			for b.Loop() {
-				i++
-				b.StopTimer()
-				if arm == "fresh" {
-					c.scratch.drop()
-				}
-				debug.FreeOSMemory()
-				b.StartTimer()
-				f0 := minorFaults(b)
-				if _, err := c.image(ctx, Spec{Root: root, Prefix: "app", UID: 2000 + i, GID: 2000 + i}); err != nil {
-					b.Fatal(err)
-				}
-				n += minorFaults(b) - f0
-			}
-			if d := c.stats.Derived.Load() - derived; d != int64(b.N) {
-				b.Fatalf("%d of %d images derived", d, b.N)
-			}
-			faults, perOp := float64(n)/float64(b.N), float64(b.Elapsed())/float64(b.N)
-			b.ReportMetric(faults, "faults/op")
-			if arm == "fresh" {
-				freshFaults, freshTime = faults, perOp
-			} else if freshFaults > 0 {
-				b.ReportMetric(faults/freshFaults, "faults-x-vs-fresh")
-				b.ReportMetric(perOp/freshTime, "x-vs-fresh")
-			}
-		})
-	}
+	afterIdle(b, func(kept bool) {
+		if !kept {
+			c.scratch.drop()
+		}
+	}, func(b *testing.B, kept bool) {
+		i++
+		derived := c.stats.Derived.Load()
+		if _, err := c.image(context.Background(), Spec{Root: root, Prefix: "app", UID: 2000 + i, GID: 2000 + i}); err != nil {
+			b.Fatal(err)
+		}
+		if c.stats.Derived.Load() != derived+1 {
+			b.Fatal("the image was not derived")
+		}
+	})
 }
 
 // BenchmarkImageCacheHitGoTree is a cache hit on the image of the Go source tree, as
@@ -267,13 +263,9 @@ func BenchmarkImageDeriveAfterIdle(b *testing.B) {
 // current epoch (checked.go). A hot loop: in tidepoold, between containers, the
 // lookups miss the CPU's caches and cost more.
 func BenchmarkImageCacheHitGoTree(b *testing.B) {
-	s, root := goTree(b)
-	c := openCache(b, b.TempDir(), s)
+	c, root := cachedGoTree(b)
 	ctx := context.Background()
 	spec := Spec{Root: root, Prefix: "app", UID: 1000, GID: 1000}
-	if _, err := c.image(ctx, spec); err != nil {
-		b.Fatal(err)
-	}
 	for _, mode := range []string{"checked", "skipped"} {
 		b.Run(mode, func(b *testing.B) {
 			checks := c.stats.ObjectChecks.Load()
